@@ -1,0 +1,64 @@
+# kvlab: the two commands are `make lab` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvlab-installed
+TORCH_VERSION   ?= 2.13.0
+# Where a CPU-only machine gets a CPU build of torch when pip would otherwise pick a CUDA one.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PORT ?= 8888
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: lab test lint unit notebooks browser-deps data clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(MAKE) --no-print-directory torch
+	$(BIN)/pip install --quiet -e '.[lab,dev]'
+	touch $(STAMP)
+
+# torch first: a CUDA build where there is a GPU, otherwise a CPU build.
+.PHONY: torch
+torch:
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/pip install --quiet "torch>=2.4"; \
+	elif $(BIN)/pip install --dry-run --no-deps --quiet --report - "torch==$(TORCH_VERSION)" 2>/dev/null | grep -q '+cpu'; then \
+	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"; \
+	else \
+	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple; \
+	fi
+
+# Open the workbook. On a headless machine, tunnel the port: ssh -L $(PORT):localhost:$(PORT) host
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) --no-browser --ip=127.0.0.1
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvlab kernels tests benchmarks scripts notebooks
+
+# Debian's chromium for the real-browser test (installed when missing and we may).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium missing and cannot be installed here: the browser test will be skipped"; fi; }
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+notebooks: $(STAMP)
+	$(BIN)/python -m pytest -q --nbmake --nbmake-timeout=900 notebooks
+
+test: $(STAMP) browser-deps lint
+	$(BIN)/python -m pytest -q tests --nbmake --nbmake-timeout=900 notebooks
+
+# Regenerate shipped data (see README): the corpus, then the model (about an hour on 2 CPU cores).
+data: $(STAMP)
+	$(BIN)/python scripts/build_corpus.py
+	$(BIN)/python scripts/train_model.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

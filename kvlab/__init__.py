@@ -1,0 +1,1 @@
+"""kvlab: measure KV-cache quantization."""

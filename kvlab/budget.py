@@ -1,0 +1,368 @@
+"""Cache-byte arithmetic: how much memory the KV cache needs, and what fits on a GPU.
+
+The whole chapter rests on one product. For a model whose every layer caches a
+key and a value vector per KV head per token::
+
+    cache bytes = batch x tokens x layers x 2 (K and V) x kv_heads x head_dim x bits / 8
+
+Real models bend it in a few ways, each handled here from the model's
+``transformers`` config:
+
+* grouped-query / multi-query attention — ``num_key_value_heads`` < query heads;
+  ``head_dim`` read from the config when it is not ``hidden_size / heads``;
+* multi-head latent attention (DeepSeek-V2/V3) — each layer caches one
+  compressed latent (``kv_lora_rank``) plus one decoupled RoPE key
+  (``qk_rope_head_dim``), shared by all heads, instead of per-head K and V;
+* sliding-window layers (Mistral 7B v0.1, Gemma 2/3 local layers) stop growing
+  at their window;
+* tensor parallelism splits KV heads over ranks (replicated when ranks exceed
+  heads; an MLA latent is replicated on every rank);
+* paged allocation rounds every sequence up to whole blocks;
+* quantized formats add scales and zero points (:mod:`kvlab.formats`), and may
+  keep a window of recent tokens or a few sink tokens in full precision.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .formats import KVFormat, get_format
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+PRESETS = DATA / "presets"
+WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one attention layer caches per token (for batch 1, one copy of the model)."""
+
+    kv_heads: int  # 0 for MLA layers
+    head_dim: int
+    window: int | None = None  # sliding window in tokens; None = full attention
+    latent_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim, cached once (not per head, not K and V)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: tuple[LayerSpec, ...]
+    num_parameters: int | None = None
+    max_position_embeddings: int | None = None
+    attention: str = "mha"  # mha | gqa | mqa | mla
+    source: str = ""
+    extras: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def preset_names() -> list[str]:
+    names = sorted(p.stem for p in (PRESETS / "models").glob("*.json"))
+    if (DATA / "model" / "config.json").exists():
+        names.append("kvlab-tiny")
+    return names
+
+
+def _positive_int(name: str, value, *, zero_ok: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+    return value
+
+
+def load_shape(model) -> ModelShape:
+    """A :class:`ModelShape` from a preset name, a ``config.json`` path, a dict or a ``PretrainedConfig``."""
+    if isinstance(model, str | Path):
+        return _load_shape_cached(str(model), _mtime(model))
+    return _load_shape(model)
+
+
+def _mtime(model) -> float:
+    path = Path(model)
+    return path.stat().st_mtime if path.exists() else 0.0
+
+
+@functools.lru_cache(maxsize=64)
+def _load_shape_cached(model: str, mtime: float) -> ModelShape:
+    return _load_shape(model)
+
+
+def _load_shape(model) -> ModelShape:
+    from transformers import PretrainedConfig
+
+    name, source, n_params = str(model), "", None
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, PretrainedConfig):
+        cfg = model
+        name = getattr(cfg, "_name_or_path", "") or cfg.model_type
+    elif isinstance(model, dict):
+        cfg = _config_from_dict(model)
+        name = model.get("_name_or_path", model.get("model_type", "config"))
+    elif isinstance(model, str | Path):
+        preset = PRESETS / "models" / f"{str(model).lower()}.json"
+        if str(model).lower() == "kvlab-tiny":
+            model = DATA / "model" / "config.json"
+        if preset.exists():
+            doc = json.loads(preset.read_text())
+            cfg = _config_from_dict(doc["config"])
+            name, source, n_params = doc["name"], doc["source"], doc.get("num_parameters")
+        else:
+            path = Path(model)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ValueError(
+                    f"model {str(model)!r} is neither a preset ({', '.join(preset_names())}) "
+                    f"nor a readable config.json path"
+                )
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"model config {str(path)!r} could not be read as JSON: {e}") from None
+            if not isinstance(doc, dict):
+                raise ValueError(f"model config {str(path)!r} must hold a JSON object")
+            cfg = _config_from_dict(doc)
+            name, source = path.parent.name or str(path), str(path)
+            if path.resolve() == (DATA / "model" / "config.json").resolve():
+                name = "kvlab-tiny"
+    else:
+        raise TypeError(f"model must be a preset name, a path, a dict or a PretrainedConfig, got {type(model).__name__}")
+    shape = shape_from_config(cfg, name=name)
+    n_params = n_params or estimate_parameters(cfg)
+    return ModelShape(shape.name, shape.layers, n_params, shape.max_position_embeddings, shape.attention, source)
+
+
+def _config_from_dict(d: dict):
+    from transformers import AutoConfig, PretrainedConfig
+
+    d = {k: v for k, v in d.items() if not k.startswith("_")}
+    try:
+        return AutoConfig.for_model(**d) if "model_type" in d else PretrainedConfig(**d)
+    except (ValueError, KeyError):  # a model_type this transformers does not know
+        return PretrainedConfig(**d)
+
+
+def shape_from_config(cfg, name: str = "model") -> ModelShape:
+    """Per-layer cache shapes from a ``transformers`` config."""
+    g = lambda k, default=None: getattr(cfg, k, default)
+    n_layers = g("num_hidden_layers") or g("n_layer") or g("num_layers")
+    heads = g("num_attention_heads") or g("n_head")
+    if not n_layers or not heads:
+        raise ValueError(f"config for {name!r} lacks num_hidden_layers or num_attention_heads")
+    max_pos = g("max_position_embeddings")
+    if g("kv_lora_rank"):  # multi-head latent attention
+        latent = int(g("kv_lora_rank")) + int(g("qk_rope_head_dim") or 0)
+        layers = tuple(LayerSpec(0, 0, None, latent) for _ in range(n_layers))
+        return ModelShape(name, layers, None, max_pos, "mla")
+    kv_heads = g("num_key_value_heads") or heads
+    head_dim = g("head_dim") or (g("hidden_size") // heads)
+    window = g("sliding_window")
+    types = g("layer_types")
+    if types:
+        wins = [window if t in ("sliding_attention", "chunked_attention") else None for t in types]
+    else:  # e.g. Mistral 7B v0.1: the window applies to every layer
+        wins = [window] * n_layers
+    layers = tuple(LayerSpec(int(kv_heads), int(head_dim), w) for w in wins)
+    kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
+    return ModelShape(name, layers, None, max_pos, kind)
+
+
+def estimate_parameters(cfg) -> int | None:
+    """Rough parameter count of a dense decoder (used when a config has no stated count)."""
+    g = lambda k, default=None: getattr(cfg, k, default)
+    h, L, V = g("hidden_size"), g("num_hidden_layers"), g("vocab_size")
+    heads, inter = g("num_attention_heads"), g("intermediate_size")
+    if not all((h, L, V, heads, inter)):
+        return None
+    kvh = g("num_key_value_heads") or heads
+    hd = g("head_dim") or h // heads
+    attn = h * hd * heads * 2 + h * hd * kvh * 2
+    mlp = 3 * h * inter
+    emb = V * h * (1 if g("tie_word_embeddings", True) else 2)
+    return int(L * (attn + mlp + 2 * h) + emb + h)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def _split_heads(kv_heads: int, tp: int) -> int:
+    """KV heads held by one tensor-parallel rank."""
+    if kv_heads % tp == 0:
+        return kv_heads // tp
+    if tp % kv_heads == 0:
+        return 1  # more ranks than heads: each head is replicated tp / kv_heads times
+    raise ValueError(f"tp={tp} must divide, or be a multiple of, the {kv_heads} KV heads")
+
+
+def _layer_bits_per_token(layer: LayerSpec, fmt: KVFormat, tp: int, full: bool) -> float:
+    """Bits one token costs in one layer on one rank; ``full`` = stored in full precision."""
+    if layer.latent_dim:  # MLA latent: one vector, replicated on every rank
+        q = fmt.key
+        bits = 16 if full else q.bits_per_element(layer.latent_dim)
+        return layer.latent_dim * bits
+    heads = _split_heads(layer.kv_heads, tp)
+    if full:
+        return heads * layer.head_dim * 2 * 16
+    return heads * fmt.bytes_per_token_head(layer.head_dim) * 8
+
+
+@dataclass(frozen=True)
+class Budget:
+    model: str
+    kv_format: str
+    batch: int
+    context: int
+    tp: int
+    block_size: int
+    bytes_per_token: int  # one token in every layer (before windows), whole model
+    cache_bytes: int  # batch x context, whole model (all ranks)
+    cache_bytes_per_gpu: int
+    per_layer_bytes: tuple[int, ...] = ()
+
+
+def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, block_size: int = 1) -> Budget:
+    """Cache bytes for ``batch`` sequences of ``context`` tokens each.
+
+    ``bytes_per_token`` is what one more token costs when every layer still
+    stores it; ``cache_bytes`` applies windows, paging, full-precision
+    residual/sink tokens, and sums K and V over all layers (and over all ranks;
+    ``cache_bytes_per_gpu`` is one rank's share).
+    """
+    shape = load_shape(model)
+    fmt = get_format(kv_format)
+    batch = _positive_int("batch", batch)
+    context = _positive_int("context", context, zero_ok=True)
+    tp = _positive_int("tp", tp)
+    block_size = _positive_int("block_size", block_size)
+
+    def cache(ranks: int) -> list[int]:
+        out = []
+        for layer in shape.layers:
+            held = context if layer.window is None else min(context, layer.window)
+            slots = math.ceil(held / block_size) * block_size  # paged: whole blocks
+            n_full = min(slots, fmt.residual + fmt.sinks)
+            bits = (slots - n_full) * _layer_bits_per_token(layer, fmt, ranks, False)
+            bits += n_full * _layer_bits_per_token(layer, fmt, ranks, True)
+            out.append(math.ceil(batch * bits / 8))
+        return out
+
+    per_token_bits = sum(_layer_bits_per_token(layer, fmt, 1, False) for layer in shape.layers)
+    per_layer = cache(1)
+    return Budget(
+        shape.name, fmt.name, batch, context, tp, block_size,
+        bytes_per_token=math.ceil(per_token_bits / 8),
+        cache_bytes=sum(per_layer),
+        cache_bytes_per_gpu=sum(cache(tp)),
+        per_layer_bytes=tuple(per_layer),
+    )
+
+
+# --------------------------------------------------------------------------- fitting on a GPU
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    source: str
+
+
+def gpus() -> dict[str, GPU]:
+    doc = json.loads((PRESETS / "gpus.json").read_text())["gpus"]
+    return {
+        k: GPU(k, int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"]) for k, v in doc.items()
+    }
+
+
+def get_gpu(gpu) -> GPU:
+    if isinstance(gpu, GPU):
+        return gpu
+    table = gpus()
+    by_lower = {k.lower(): v for k, v in table.items()}
+    if not isinstance(gpu, str) or gpu.lower() not in by_lower:
+        raise ValueError(f"unknown GPU {gpu!r}; choose one of: {', '.join(table)}")
+    return by_lower[gpu.lower()]
+
+
+def weights_bytes(model, weights_dtype: str = "bf16") -> int:
+    """Bytes of the model's weights in ``weights_dtype`` (scales of quantized weights ignored)."""
+    if weights_dtype not in WEIGHT_BITS:
+        raise ValueError(f"weights dtype must be one of {', '.join(WEIGHT_BITS)}, got {weights_dtype!r}")
+    shape = load_shape(model)
+    if not shape.num_parameters:
+        raise ValueError(f"model {shape.name!r} has no parameter count; cannot size its weights")
+    return math.ceil(shape.num_parameters * WEIGHT_BITS[weights_dtype] / 8)
+
+
+@dataclass(frozen=True)
+class Fit:
+    gpu: str
+    tp: int
+    weights_bytes_per_gpu: int
+    usable_bytes_per_gpu: int  # memory x utilization
+    free_for_cache_per_gpu: int  # usable - weights; negative when the weights do not fit
+    weights_fit: bool
+
+
+def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: float = 0.9) -> Fit:
+    """How much of each GPU is left for the cache once the weights are loaded.
+
+    ``memory_utilization`` follows vLLM's ``--gpu-memory-utilization`` (the
+    fraction of memory the engine may use; activations and the CUDA context come
+    out of the remainder). Weights are split evenly over ``tp`` ranks.
+    """
+    if not isinstance(memory_utilization, int | float) or not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
+    tp = _positive_int("tp", tp)
+    g = get_gpu(gpu)
+    w = math.ceil(weights_bytes(model, weights_dtype) / tp)
+    usable = int(g.memory_bytes * memory_utilization)
+    return Fit(g.name, tp, w, usable, usable - w, w <= usable)
+
+
+def max_concurrency(model, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
+                    tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1) -> int:
+    """Most sequences of ``context`` tokens whose cache fits beside the weights (0 if none)."""
+    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+    per_seq = budget(model, 1, context, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu
+    if f.free_for_cache_per_gpu <= 0:
+        return 0
+    return f.free_for_cache_per_gpu // max(per_seq, 1)
+
+
+def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
+                tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1, limit: int = 1 << 24) -> int:
+    """Longest context (tokens) at which ``batch`` sequences fit; capped at ``limit``.
+
+    Windowed layers stop growing, so a model of only windowed layers can reach
+    ``limit``. Not capped at ``max_position_embeddings``: compare it yourself.
+    """
+    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+    if f.free_for_cache_per_gpu <= 0:
+        return 0
+
+    def fits(t):
+        return budget(model, batch, t, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu <= f.free_for_cache_per_gpu
+
+    if not fits(0):
+        return 0
+    lo, hi = 0, limit
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # cache bytes never shrink as context grows, so bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,181 @@
+"""Check-yourself cells: multiple choice, numeric answers, and coding exercises.
+
+Each question works two ways: call ``.check(answer)`` to get a :class:`Feedback`
+(what the tests and the executed notebooks use), or display the object in
+Jupyter to get a small widget that answers on click.
+
+Exercises diagnose mistakes by *running* them: each known mistake is given as a
+small buggy implementation, and when the reader's function agrees with one of
+those instead of the reference, the feedback names that mistake.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Feedback:
+    correct: bool
+    message: str
+
+    def __bool__(self):
+        return self.correct
+
+    def _repr_markdown_(self):
+        return ("✅ **Correct.** " if self.correct else "❌ **Not yet.** ") + self.message
+
+    def __str__(self):
+        return ("Correct. " if self.correct else "Not yet. ") + self.message
+
+
+def _feedback_widget(make_input, on_check):
+    import ipywidgets as w
+    from IPython.display import Markdown, display
+
+    inp = make_input()
+    out = w.Output()
+    btn = w.Button(description="Check", button_style="primary")
+
+    def clicked(_):
+        out.clear_output()
+        with out:
+            display(Markdown(on_check(inp.value)._repr_markdown_()))
+
+    btn.on_click(clicked)
+    return w.VBox([inp, btn, out])
+
+
+class MultipleChoice:
+    """``choices`` maps each option's text to the explanation shown when it is picked."""
+
+    def __init__(self, question: str, choices: dict[str, str], answer: str):
+        if answer not in choices:
+            raise ValueError(f"answer {answer!r} is not one of the choices")
+        if len(choices) < 2:
+            raise ValueError("a multiple-choice question needs at least two choices")
+        self.question, self.choices, self.answer = question, dict(choices), answer
+
+    def check(self, choice) -> Feedback:
+        if isinstance(choice, int) and not isinstance(choice, bool):
+            if not 0 <= choice < len(self.choices):
+                raise ValueError(f"choice index must be in [0, {len(self.choices)}), got {choice}")
+            choice = list(self.choices)[choice]
+        if choice not in self.choices:
+            raise ValueError(f"{choice!r} is not one of the choices: {list(self.choices)}")
+        return Feedback(choice == self.answer, self.choices[choice])
+
+    def widget(self):
+        import ipywidgets as w
+
+        return w.VBox([
+            w.HTML(f"<b>{self.question}</b>"),
+            _feedback_widget(
+                lambda: w.RadioButtons(options=list(self.choices), value=None, layout={"width": "max-content"}),
+                lambda v: Feedback(False, "Pick an answer first.") if v is None else self.check(v),
+            ),
+        ])
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget())
+
+
+class Numeric:
+    """A numeric answer within a relative tolerance; ``mistakes`` maps wrong values to explanations."""
+
+    def __init__(self, question: str, answer: float, rel_tol: float = 0.02, unit: str = "",
+                 mistakes: dict[str, float] | None = None, explanation: str = ""):
+        if not rel_tol > 0:
+            raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
+        self.question, self.answer, self.rel_tol, self.unit = question, float(answer), rel_tol, unit
+        self.mistakes = {msg: float(v) for msg, v in (mistakes or {}).items()}
+        self.explanation = explanation
+
+    def _close(self, a, b):
+        return math.isclose(a, b, rel_tol=self.rel_tol, abs_tol=1e-12)
+
+    def check(self, value) -> Feedback:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return Feedback(False, f"Enter a number, got {value!r}.")
+        if self._close(value, self.answer):
+            return Feedback(True, self.explanation or f"{self.answer:,.6g} {self.unit}".strip())
+        for msg, v in self.mistakes.items():
+            if self._close(value, v):
+                return Feedback(False, msg)
+        if value and self.answer:
+            ratio = value / self.answer
+            return Feedback(False, f"Your answer is {ratio:.3g}x the expected value. Recheck each factor.")
+        return Feedback(False, "Recheck each factor.")
+
+    def widget(self):
+        import ipywidgets as w
+
+        return w.VBox([
+            w.HTML(f"<b>{self.question}</b>" + (f" ({self.unit})" if self.unit else "")),
+            _feedback_widget(lambda: w.FloatText(value=0.0), self.check),
+        ])
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget())
+
+
+def _same(a, b, atol) -> bool:
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y, atol) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape:
+            return False
+        if not a.is_floating_point() and not b.is_floating_point():
+            return torch.equal(a.to(torch.int64), b.to(torch.int64))
+        return torch.allclose(a.double(), b.double(), atol=atol, rtol=0, equal_nan=True)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a == b
+
+
+class Exercise:
+    """Run the reader's function on ``cases`` and compare with ``reference``.
+
+    ``mistakes`` maps an explanation to a buggy implementation that makes that
+    mistake; the first one whose outputs the reader's function reproduces on
+    every case is named in the feedback.
+    """
+
+    def __init__(self, name: str, reference: Callable, cases: Sequence[tuple], *,
+                 mistakes: dict[str, Callable] | None = None, atol: float = 1e-6):
+        if not cases:
+            raise ValueError("an exercise needs at least one test case")
+        self.name, self.reference, self.cases = name, reference, list(cases)
+        self.mistakes, self.atol = dict(mistakes or {}), atol
+
+    def _outputs(self, fn):
+        return [fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in case]) for case in self.cases]
+
+    def check(self, fn: Callable) -> Feedback:
+        if not callable(fn):
+            return Feedback(False, f"Pass your function itself, got {type(fn).__name__}.")
+        try:
+            got = self._outputs(fn)
+        except NotImplementedError:
+            return Feedback(False, f"`{fn.__name__}` is not written yet.")
+        except Exception as e:  # the reader's code: report, don't crash the notebook
+            return Feedback(False, f"`{fn.__name__}` raised {type(e).__name__}: {e}")
+        want = self._outputs(self.reference)
+        if all(_same(g, w, self.atol) for g, w in zip(got, want)):
+            return Feedback(True, f"{self.name}: all {len(self.cases)} cases match the reference.")
+        for msg, bug in self.mistakes.items():
+            if all(_same(g, b, self.atol) for g, b in zip(got, self._outputs(bug))):
+                return Feedback(False, msg)
+        bad = next(i for i, (g, w) in enumerate(zip(got, want)) if not _same(g, w, self.atol))
+        return Feedback(False, f"{self.name}: case {bad} differs from the reference "
+                               f"(shapes, dtypes and values are all compared).")

@@ -1,0 +1,145 @@
+"""The ``kvlab`` command line (also ``python -m kvlab``).
+
+    kvlab budget --model llama-3.1-70b --batch 100 --context 32768 --kv-dtype fp8 --gpu H200 --weights-dtype fp8
+    kvlab budget --model path/to/config.json --batch 1 --context 8192 --kv-dtype int4 --json
+    kvlab formats            # the KV formats kvlab knows, with their bits per element
+
+Bad input exits with status 2 and one line that names the argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import budget as B
+from .formats import format_names, get_format
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"kvlab: error: {message}\n")
+
+
+def _int(name, minimum):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
+        return v
+
+    return parse
+
+
+def _fraction(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
+    return v
+
+
+def _kv_format(text):
+    try:
+        return get_format(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return str(n)
+
+
+def cmd_budget(args) -> int:
+    try:
+        b = B.budget(args.model, args.batch, args.context, args.kv_dtype, tp=args.tp, block_size=args.block_size)
+        out = {
+            "model": b.model, "kv_dtype": b.kv_format, "batch": b.batch, "context": b.context,
+            "tp": b.tp, "block_size": b.block_size,
+            "bytes_per_token": b.bytes_per_token, "cache_bytes": b.cache_bytes,
+            "cache_bytes_per_gpu": b.cache_bytes_per_gpu,
+            "bits_per_element": get_format(b.kv_format).bits_per_element(
+                max(layer.head_dim or layer.latent_dim for layer in B.load_shape(args.model).layers)
+            ),
+        }
+        if args.gpu:
+            f = B.fit(args.model, args.gpu, args.weights_dtype, tp=args.tp, memory_utilization=args.memory_utilization)
+            kw = dict(tp=args.tp, memory_utilization=args.memory_utilization, block_size=args.block_size)
+            out.update(
+                gpu=f.gpu, weights_dtype=args.weights_dtype, weights_bytes_per_gpu=f.weights_bytes_per_gpu,
+                usable_bytes_per_gpu=f.usable_bytes_per_gpu, free_for_cache_per_gpu=f.free_for_cache_per_gpu,
+                fits=f.weights_fit and b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu,
+                max_concurrency=B.max_concurrency(args.model, args.context, b.kv_format, f.gpu, args.weights_dtype, **kw),
+                max_context=B.max_context(args.model, args.batch, b.kv_format, f.gpu, args.weights_dtype, **kw),
+            )
+    except (ValueError, TypeError) as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    width = max(map(len, out))
+    for k, v in out.items():
+        shown = _human(v) if "bytes" in k and k != "bytes_per_token" else v
+        if k == "bytes_per_token":
+            shown = f"{v:,} B"
+        if isinstance(v, float):
+            shown = f"{v:.4g}"
+        print(f"{k:<{width}}  {shown}")
+    return 0
+
+
+def cmd_formats(args) -> int:
+    rows = []
+    for name in format_names():
+        f = get_format(name)
+        rows.append({"name": name, "bits_per_element@head_dim=128": round(f.bits_per_element(128), 4),
+                     "residual": f.residual, "source": f.source})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            print(f"{r['name']:<16} {r['bits_per_element@head_dim=128']:>7.3f} bits  {r['source']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvlab", description="Measure KV-cache quantization.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    b = sub.add_parser("budget", help="cache bytes for a model, batch, context and KV format")
+    b.add_argument("--model", required=True, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
+    b.add_argument("--batch", required=True, type=_int("--batch", 1))
+    b.add_argument("--context", required=True, type=_int("--context", 0), help="tokens per sequence")
+    b.add_argument("--kv-dtype", default="bf16", type=_kv_format, help="KV format (see `kvlab formats`)")
+    b.add_argument("--gpu", help="GPU preset ({})".format(", ".join(B.gpus())))
+    b.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
+    b.add_argument("--tp", default=1, type=_int("--tp", 1), help="tensor-parallel ranks")
+    b.add_argument("--block-size", default=1, type=_int("--block-size", 1), help="paged-cache block size in tokens")
+    b.add_argument("--memory-utilization", default=0.9, type=_fraction, help="fraction of GPU memory usable")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=cmd_budget)
+
+    f = sub.add_parser("formats", help="list KV formats and their bits per element")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_formats)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

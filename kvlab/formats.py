@@ -1,0 +1,216 @@
+"""KV-cache storage formats: what each one stores, and what it costs in bits.
+
+A :class:`KVFormat` is a *description* — element type, how scales are shared
+(granularity), whether there is a zero point, and research options (a
+full-precision window of recent tokens, attention sinks, a Hadamard rotation).
+:mod:`kvlab.quant` does the arithmetic; :mod:`kvlab.budget` turns the bit
+counts below into bytes. Both read the numbers from here, so chapter 1's
+arithmetic and chapter 2's measured cache bytes come from one source of truth.
+
+Granularity names the set of values that share one scale (and zero point):
+
+=============  ===========================================================
+``tensor``     one scale for the whole K (or V) tensor of a layer
+``head``       one per KV head
+``token``      one per token per KV head (a row of ``head_dim`` values)
+``channel``    one per channel per KV head, over all tokens
+``group``      one per ``group_size`` consecutive values along ``group_axis``:
+               ``"channel"`` groups run along head_dim inside one token;
+               ``"token"`` groups run along the sequence inside one channel
+=============  ===========================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+GRANULARITIES = ("tensor", "head", "token", "channel", "group")
+ELEMENTS = {
+    # name: (storage bits, kind)
+    "float32": (32, "float"),
+    "float16": (16, "float"),
+    "bfloat16": (16, "float"),
+    "float8_e4m3fn": (8, "fp8"),
+    "float8_e5m2": (8, "fp8"),
+    "int8": (8, "int"),
+    "int4": (4, "int"),
+    "int2": (2, "int"),
+}
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """How one of K or V is stored."""
+
+    element: str = "float16"
+    granularity: str = "tensor"
+    group_size: int | None = None
+    group_axis: str = "channel"
+    symmetric: bool = True
+    scale_bits: int = 16  # bits of each stored scale (fp16 = 16, fp32 = 32)
+
+    def __post_init__(self):
+        if self.element not in ELEMENTS:
+            raise ValueError(f"element must be one of {sorted(ELEMENTS)}, got {self.element!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.granularity == "group":
+            if not isinstance(self.group_size, int) or self.group_size < 1:
+                raise ValueError(f"group granularity needs a positive integer group_size, got {self.group_size!r}")
+            if self.group_axis not in ("channel", "token"):
+                raise ValueError(f"group_axis must be 'channel' or 'token', got {self.group_axis!r}")
+
+    @property
+    def bits(self) -> int:
+        return ELEMENTS[self.element][0]
+
+    @property
+    def kind(self) -> str:
+        return ELEMENTS[self.element][1]
+
+    @property
+    def is_passthrough(self) -> bool:
+        """Stored as a plain float dtype, no scale."""
+        return self.kind == "float"
+
+    @property
+    def zero_bits(self) -> int:
+        return 0 if (self.symmetric or self.kind != "int") else self.scale_bits
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Average bits per stored value, scales and zero points included.
+
+        Scales shared over a whole tensor, head or channel (growing with no
+        token) are amortised to zero; per-token and grouped scales are not.
+        """
+        if self.is_passthrough:
+            return float(self.bits)
+        meta = self.scale_bits + self.zero_bits
+        if self.granularity == "token":
+            return self.bits + meta / head_dim
+        if self.granularity == "group":
+            if self.group_axis == "channel" and head_dim % self.group_size:
+                raise ValueError(f"group_size={self.group_size} does not divide head_dim={head_dim}")
+            return self.bits + meta / self.group_size
+        return float(self.bits)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A KV-cache format: one :class:`Quantizer` for keys, one for values, and options."""
+
+    name: str
+    key: Quantizer
+    value: Quantizer
+    residual: int = 0  # most recent tokens kept in full precision (KIVI, HF QuantizedCache)
+    sinks: int = 0  # first tokens kept in full precision (StreamingLLM's attention sinks)
+    rotate: bool = False  # Hadamard-rotate head_dim before quantizing (QuaRot-style)
+    source: str = ""
+    notes: str = ""
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        for arg in ("residual", "sinks"):
+            v = getattr(self, arg)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{arg} must be a non-negative integer, got {v!r}")
+
+    @property
+    def lossless(self) -> bool:
+        return self.key.is_passthrough and self.value.is_passthrough
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Mean of K and V bits per element (full-precision windows not included)."""
+        return (self.key.bits_per_element(head_dim) + self.value.bits_per_element(head_dim)) / 2
+
+    def bytes_per_token_head(self, head_dim: int) -> float:
+        """Bytes of K plus V for one token of one KV head, scales included."""
+        return head_dim * (self.key.bits_per_element(head_dim) + self.value.bits_per_element(head_dim)) / 8
+
+    def with_options(self, *, residual=None, sinks=None, rotate=None, name=None) -> KVFormat:
+        """A copy with research options changed, e.g. ``fmt.with_options(sinks=4)``."""
+        changes = {k: v for k, v in dict(residual=residual, sinks=sinks, rotate=rotate).items() if v is not None}
+        suffix = "".join(f"+{k}{'' if v is True else v}" for k, v in changes.items() if v)
+        return replace(self, name=name or self.name + suffix, **changes)
+
+
+def _q(element, granularity="tensor", group_size=None, group_axis="channel", symmetric=True, scale_bits=16):
+    return Quantizer(element, granularity, group_size, group_axis, symmetric, scale_bits)
+
+
+def _same(name, q, **kw):
+    return KVFormat(name, q, q, **kw)
+
+
+FORMATS: dict[str, KVFormat] = {}
+
+
+def register(fmt: KVFormat) -> KVFormat:
+    for n in (fmt.name, *fmt.aliases):
+        FORMATS[n] = fmt
+    return fmt
+
+
+_VLLM_FP8 = (
+    "vLLM --kv-cache-dtype fp8 / fp8_e4m3: FP8 E4M3 with one fp32 scale per tensor "
+    "(vLLM docs, 'Quantized KV Cache')"
+)
+for _fmt in (
+    _same("fp32", _q("float32"), source="full precision"),
+    _same("fp16", _q("float16"), source="IEEE half precision; the usual unquantized cache", aliases=("float16", "half")),
+    _same("bf16", _q("bfloat16"), source="bfloat16; the usual unquantized cache", aliases=("bfloat16", "auto")),
+    _same("fp8_e4m3", _q("float8_e4m3fn", scale_bits=32), source=_VLLM_FP8, aliases=("fp8", "fp8-e4m3", "vllm-fp8")),
+    _same("fp8_e5m2", _q("float8_e5m2", scale_bits=32), source="vLLM --kv-cache-dtype fp8_e5m2: FP8 E5M2, per-tensor scale", aliases=("fp8-e5m2",)),
+    _same("fp8_e4m3_head", _q("float8_e4m3fn", "head", scale_bits=32), source="FP8 E4M3 with one scale per KV head"),
+    _same("fp8_e4m3_token", _q("float8_e4m3fn", "token"), source="FP8 E4M3 with one fp16 scale per token and head"),
+    _same("int8", _q("int8", "token"), source="symmetric INT8, one fp16 scale per token and head"),
+    _same("int8_tensor", _q("int8"), source="symmetric INT8, one scale per tensor"),
+    _same("int4", _q("int4", "group", 64, symmetric=False),
+          source="asymmetric INT4, fp16 scale and zero per 64 values along head_dim (4.5 bits)"),
+    _same("int4_token", _q("int4", "token"), source="symmetric INT4, one fp16 scale per token and head"),
+    _same("int4_tensor", _q("int4"), source="symmetric INT4, one scale per tensor"),
+    _same("q8_0", _q("int8", "group", 32),
+          source="llama.cpp GGML_TYPE_Q8_0: blocks of 32 int8 values with one fp16 scale, 34 bytes per block "
+                 "(ggml-common.h block_q8_0); selected with --cache-type-k/-v q8_0"),
+    _same("q4_0", _q("int4", "group", 32),
+          source="llama.cpp GGML_TYPE_Q4_0: blocks of 32 4-bit values (q - 8) with one fp16 scale, 18 bytes per "
+                 "block (ggml-common.h block_q4_0); selected with --cache-type-k/-v q4_0"),
+    _same("hf-int4", _q("int4", "group", 64, symmetric=False), residual=128,
+          source="transformers QuantizedCache (quanto backend): nbits=4, q_group_size=64, residual_length=128 "
+                 "(transformers docs, 'KV cache strategies')", aliases=("hf_quanto_int4",)),
+    KVFormat("kivi-4", _q("int4", "group", 32, "token", symmetric=False), _q("int4", "group", 32, symmetric=False),
+             residual=128,
+             source="KIVI (Liu et al. 2024, arXiv:2402.02750): keys per-channel and values per-token, asymmetric, "
+                    "group size 32, full-precision residual of 128 tokens", aliases=("kivi4",)),
+    KVFormat("kivi-2", _q("int2", "group", 32, "token", symmetric=False), _q("int2", "group", 32, symmetric=False),
+             residual=128, source="KIVI-2 (Liu et al. 2024, arXiv:2402.02750): as KIVI-4 with 2-bit values",
+             aliases=("kivi2",)),
+    _same("lmdeploy-int8", _q("int8", "token", symmetric=False),
+          source="LMDeploy quant_policy=8: asymmetric INT8 per token and head with scale and zero point "
+                 "(LMDeploy docs, 'INT4/INT8 KV Cache')"),
+    _same("lmdeploy-int4", _q("int4", "token", symmetric=False),
+          source="LMDeploy quant_policy=4: asymmetric INT4 per token and head with scale and zero point "
+                 "(LMDeploy docs, 'INT4/INT8 KV Cache')"),
+):
+    register(_fmt)
+
+
+def get_format(fmt: str | KVFormat) -> KVFormat:
+    """Look a format up by name (or pass a :class:`KVFormat` through)."""
+    if isinstance(fmt, KVFormat):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"kv format must be a name or a KVFormat, got {type(fmt).__name__}")
+    key = fmt.strip().lower()
+    if key not in FORMATS:
+        raise ValueError(f"unknown KV format {fmt!r}; choose one of: {', '.join(format_names())}")
+    return FORMATS[key]
+
+
+def format_names() -> list[str]:
+    """Canonical names (no aliases), in registration order."""
+    seen = []
+    for f in FORMATS.values():
+        if f.name not in seen:
+            seen.append(f.name)
+    return seen

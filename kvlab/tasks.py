@@ -1,0 +1,153 @@
+"""Synthetic long-context tasks, built at the token level so lengths are exact.
+
+Two tasks, shared by the training script (which teaches the shipped model to
+retrieve) and by the evals (which measure whether a KV format lets it):
+
+* **passkey** — a 5-digit key hidden at a chosen depth inside repeated filler
+  sentences, then a question. The format follows the passkey test of
+  Mohtashami & Jaggi, *Landmark Attention* (2023, arXiv:2305.16300), worded
+  afresh here.
+* **key-value lookup** — many ``name → number`` facts scattered through a
+  haystack, then several questions. Training uses it because many answers per
+  sequence give a tiny model enough signal to learn copying from context.
+
+Every piece of text starts with a space or a newline, so concatenating the
+token lists of pieces gives the same ids as tokenizing the joined string
+(byte-level BPE splits before a space). That lets us hit an exact token count.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+INTRO = "\nA pass key is hidden somewhere in the long text below. Find it and keep it in mind."
+FILLER = (
+    " The grass is green.",
+    " The sky is blue.",
+    " The sun is yellow.",
+    " Here we go.",
+    " There and back again.",
+)
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+
+NAMES = (
+    "apple amber anchor arrow aspen badge basil beacon birch bison breeze bronze cabin cactus "
+    "canyon cedar cherry cinder clover cobalt comet copper coral crater daisy delta desert "
+    "dune eagle ember falcon fern flint forest fossil galaxy garnet glacier granite harbor "
+    "hazel heron indigo island ivory jasmine jungle kernel lagoon lantern lemon lilac lotus "
+    "magnet maple marble meadow mercury meteor mint monsoon nebula nectar oasis ocean olive "
+    "onyx orbit orchid otter panda pebble pepper pillar pine planet plum prairie quartz "
+    "raven reef river robin ruby saffron salmon sapphire shadow silver spruce summit "
+    "thistle thunder tiger topaz tulip tundra valley velvet violet walnut willow zephyr"
+).split()
+
+
+@dataclass
+class Example:
+    """One prompt: ``input_ids`` end right before the answer; ``answer_ids`` follow it."""
+
+    input_ids: list[int]
+    answer_ids: list[int]
+    answer: str
+    needle_start: int = -1  # token index where the needle sentence begins
+    meta: dict = field(default_factory=dict)
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False) if hasattr(tok, "encode") else tok(text)
+
+
+def random_key(rng: random.Random, digits: int = 5) -> str:
+    first = str(rng.randint(1, 9))
+    return first + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
+
+
+def filler_tokens(tok, n: int, rng: random.Random | None = None) -> list[int]:
+    """Exactly ``n`` tokens of filler: whole sentences in a fixed cycle, the last one cut."""
+    pieces = [_encode(tok, s) for s in FILLER]
+    out: list[int] = []
+    i = 0
+    while len(out) < n:
+        out.extend(pieces[i % len(pieces)])
+        i += 1
+    return out[:n]
+
+
+def passkey(tok, length: int, depth: float, rng: random.Random, key: str | None = None) -> Example:
+    """A passkey prompt of exactly ``length`` tokens with the needle at ``depth`` (0 = start, 1 = end).
+
+    The needle is placed on a filler-sentence boundary as close as possible to
+    ``depth`` of the way through the haystack.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    key = key or random_key(rng)
+    intro, question = _encode(tok, INTRO), _encode(tok, QUESTION)
+    needle = _encode(tok, NEEDLE.format(key=key))
+    answer = _encode(tok, " " + key)
+    n_fill = length - len(intro) - len(needle) - len(question)
+    if n_fill < 0:
+        raise ValueError(
+            f"length={length} is too short for a passkey prompt: it needs at least "
+            f"{len(intro) + len(needle) + len(question)} tokens"
+        )
+    hay = filler_tokens(tok, n_fill)
+    # Sentence boundaries inside the haystack, so the needle never splits a sentence.
+    bounds, pos, i = [0], 0, 0
+    lens = [len(_encode(tok, s)) for s in FILLER]
+    while pos < n_fill:
+        pos += lens[i % len(lens)]
+        i += 1
+        if pos <= n_fill:
+            bounds.append(pos)
+    cut = min(bounds, key=lambda b: abs(b - depth * n_fill))
+    ids = intro + hay[:cut] + needle + hay[cut:] + question
+    assert len(ids) == length
+    return Example(ids, answer, key, needle_start=len(intro) + cut, meta={"depth": depth})
+
+
+def kv_lookup(
+    tok,
+    length: int,
+    rng: random.Random,
+    n_pairs: int = 8,
+    n_queries: int = 4,
+    haystack: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """A training sequence of ``length`` tokens: facts scattered in a haystack, then queries.
+
+    Returns ``(ids, weights)`` where ``weights[i]`` is 1 on answer digits (the
+    targets that need retrieval) and 0 elsewhere. ``haystack`` is a token list to
+    draw background text from (e.g. real prose); filler sentences otherwise.
+    """
+    names = rng.sample(NAMES, n_pairs)
+    keys = [random_key(rng) for _ in names]
+    facts = [_encode(tok, f" The code for {n} is {k}.") for n, k in zip(names, keys)]
+    queries = []
+    for j in rng.sample(range(n_pairs), min(n_queries, n_pairs)):
+        q = _encode(tok, f" What is the code for {names[j]}? The code for {names[j]} is")
+        a = _encode(tok, " " + keys[j] + ".")
+        queries.append((q, a))
+    q_len = sum(len(q) + len(a) for q, a in queries)
+    n_bg = length - q_len - sum(len(f) for f in facts)
+    if n_bg < 0:
+        raise ValueError(f"length={length} is too short for {n_pairs} pairs and {n_queries} queries")
+    if haystack is None:
+        bg = filler_tokens(tok, n_bg)
+    else:
+        start = rng.randrange(0, max(1, len(haystack) - n_bg))
+        bg = haystack[start : start + n_bg]
+    cuts = sorted(rng.randrange(0, n_bg + 1) for _ in facts)
+    ids: list[int] = []
+    prev = 0
+    for c, f in zip(cuts, facts):
+        ids += bg[prev:c] + f
+        prev = c
+    ids += bg[prev:]
+    weights = [0.0] * len(ids)
+    for q, a in queries:
+        ids += q + a
+        weights += [0.0] * len(q) + [1.0] * len(a)
+    return ids[:length], weights[:length]
