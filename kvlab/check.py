@@ -29,22 +29,26 @@ class Feedback:
     def _repr_markdown_(self):
         return ("✅ **Correct.** " if self.correct else "❌ **Not yet.** ") + self.message
 
+    def _repr_html_(self):
+        import html
+
+        head = "✅ <b>Correct.</b> " if self.correct else "❌ <b>Not yet.</b> "
+        return head + html.escape(self.message)
+
     def __str__(self):
         return ("Correct. " if self.correct else "Not yet. ") + self.message
 
 
 def _feedback_widget(make_input, on_check):
+    """An input, a Check button, and an HTML line that shows the feedback."""
     import ipywidgets as w
-    from IPython.display import Markdown, display
 
     inp = make_input()
-    out = w.Output()
+    out = w.HTML()
     btn = w.Button(description="Check", button_style="primary")
 
     def clicked(_):
-        out.clear_output()
-        with out:
-            display(Markdown(on_check(inp.value)._repr_markdown_()))
+        out.value = on_check(inp.value)._repr_html_()
 
     btn.on_click(clicked)
     return w.VBox([inp, btn, out])

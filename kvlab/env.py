@@ -1,0 +1,44 @@
+"""What this machine can run: torch, CUDA, Triton (native or interpreter), the shipped model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+from pathlib import Path
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "model"
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def triton_mode() -> str:
+    """``"native"`` on a CUDA GPU, ``"interpreter"`` on a CPU, ``"unavailable"`` without triton."""
+    if not has_triton():
+        return "unavailable"
+    if has_cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "native"
+    return "interpreter"
+
+
+def report() -> dict:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if has_cuda() else "none"
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda GPU": gpu,
+        "triton": (importlib.import_module("triton").__version__ if has_triton() else "not installed"),
+        "triton mode": triton_mode(),
+        "shipped model": "present" if (MODEL_DIR / "config.json").exists() else "missing",
+        "cpu cores": os.cpu_count(),
+    }

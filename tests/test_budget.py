@@ -1,0 +1,189 @@
+"""Cache-byte arithmetic, checked by hand for each architecture kind, plus properties."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab import budget as B
+from kvlab.formats import get_format
+
+
+def cfg(**kw):
+    base = dict(model_type="llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                num_attention_heads=8, vocab_size=1000)
+    return base | kw
+
+
+def test_mha_by_hand():
+    # 4 layers x 2 (K,V) x 8 heads x 64 dims x 2 bytes = 8192 bytes per token
+    b = B.budget(cfg(), batch=3, context=100, kv_format="fp16")
+    assert b.bytes_per_token == 4 * 2 * 8 * 64 * 2 == 8192
+    assert b.cache_bytes == 3 * 100 * 8192
+
+
+def test_gqa_and_mqa_by_hand():
+    assert B.budget(cfg(num_key_value_heads=2), 1, 1, "fp16").bytes_per_token == 4 * 2 * 2 * 64 * 2
+    mqa = B.load_shape(cfg(num_key_value_heads=1))
+    assert mqa.attention == "mqa"
+    assert B.budget(mqa, 1, 1, "fp16").bytes_per_token == 4 * 2 * 1 * 64 * 2
+
+
+def test_explicit_head_dim_overrides_hidden_over_heads():
+    # Gemma-style: head_dim 256 although hidden/heads = 64
+    b = B.budget(cfg(num_key_value_heads=2, head_dim=256), 1, 10, "fp16")
+    assert b.bytes_per_token == 4 * 2 * 2 * 256 * 2
+
+
+def test_presets_match_published_per_token_sizes():
+    # Llama-3.1-8B: 32 layers x 2 x 8 KV heads x 128 x 2 bytes = 128 KiB per token
+    assert B.budget("llama-3.1-8b", 1, 1, "bf16").bytes_per_token == 131072
+    assert B.budget("llama-3.1-70b", 1, 1, "bf16").bytes_per_token == 80 * 2 * 8 * 128 * 2
+    assert B.budget("qwen2.5-7b", 1, 1, "bf16").bytes_per_token == 28 * 2 * 4 * 128 * 2
+
+
+def test_mla_caches_latent_plus_rope_key():
+    # DeepSeek-V3: 61 layers x (512 latent + 64 rope) x 2 bytes; no K/V pair, no heads.
+    b = B.budget("deepseek-v3", 2, 1000, "bf16")
+    assert b.bytes_per_token == 61 * 576 * 2 == 70272
+    assert b.cache_bytes == 2 * 1000 * 70272
+    # The latent is replicated on every TP rank.
+    assert B.budget("deepseek-v3", 2, 1000, "bf16", tp=8).cache_bytes_per_gpu == b.cache_bytes
+
+
+def test_sliding_window_layers_stop_growing():
+    # Gemma 2 9B: 21 local layers (window 4096) + 21 global layers, 8 KV heads x 256 x 2 bytes x 2
+    per_layer_token = 2 * 8 * 256 * 2
+    b = B.budget("gemma-2-9b", 1, 32768, "bf16")
+    assert b.cache_bytes == 21 * 4096 * per_layer_token + 21 * 32768 * per_layer_token
+    # Mistral 7B v0.1: every layer windowed, so 32k costs what 4k does.
+    assert B.budget("mistral-7b-v0.1", 1, 32768).cache_bytes == B.budget("mistral-7b-v0.1", 1, 4096).cache_bytes
+    # Qwen2.5 has a sliding_window field but use_sliding_window=false: full attention.
+    assert B.budget("qwen2.5-7b", 1, 200000).cache_bytes == 200000 * 57344
+
+
+def test_tensor_parallel_split_and_replication():
+    full = B.budget("llama-3.1-70b", 1, 1000, "bf16")
+    assert B.budget("llama-3.1-70b", 1, 1000, "bf16", tp=4).cache_bytes_per_gpu == full.cache_bytes // 4
+    # 16 ranks, 8 KV heads: each rank holds one head, so per-GPU bytes = total / 8
+    assert B.budget("llama-3.1-70b", 1, 1000, "bf16", tp=16).cache_bytes_per_gpu == full.cache_bytes // 8
+    with pytest.raises(ValueError, match="tp=3"):
+        B.budget("llama-3.1-70b", 1, 1000, tp=3)
+
+
+def test_paged_blocks_round_up():
+    b = B.budget(cfg(), 1, 17, "fp16", block_size=16)
+    assert b.cache_bytes == 32 * 8192
+
+
+def test_quantized_bits_include_scales():
+    assert get_format("int4").bits_per_element(128) == 4.5  # fp16 scale + zero per 64 values
+    assert get_format("q4_0").bits_per_element(128) == 4.5  # 18 bytes per 32 values
+    assert get_format("q8_0").bits_per_element(128) == 8.5  # 34 bytes per 32 values
+    assert get_format("int8").bits_per_element(128) == 8 + 16 / 128
+    assert get_format("fp8").bits_per_element(128) == 8
+    # Llama-3.1-8B in int4: 32 x 2 x 8 x 128 x 4.5 / 8
+    assert B.budget("llama-3.1-8b", 1, 1, "int4").bytes_per_token == 32 * 2 * 8 * 128 * 9 // 16
+
+
+def test_residual_window_is_full_precision():
+    fmt = get_format("kivi-4")
+    assert fmt.residual == 128
+    b = B.budget(cfg(), 1, 1000, fmt)
+    quant = (1000 - 128) * 4 * 8 * 64 * 2 * 5 / 8
+    full = 128 * 8192
+    assert b.cache_bytes == quant + full
+
+
+def test_config_json_path_and_pretrained_config(tmp_path):
+    from transformers import LlamaConfig
+
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg(num_key_value_heads=4)))
+    assert B.budget(str(p), 1, 1).bytes_per_token == 4 * 2 * 4 * 64 * 2
+    c = LlamaConfig(**{k: v for k, v in cfg(num_key_value_heads=4).items() if k != "model_type"})
+    assert B.budget(c, 1, 1).bytes_per_token == 4 * 2 * 4 * 64 * 2
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(model="no-such-model"), "neither a preset"),
+    (dict(batch=0), "batch must be > 0"),
+    (dict(context=-1), "context must be >= 0"),
+    (dict(kv_format="int3"), "unknown KV format"),
+    (dict(tp=0), "tp must be > 0"),
+    (dict(block_size=1.5), "block_size must be an integer"),
+])
+def test_bad_input_names_the_argument(bad, match):
+    args = dict(model="llama-3.1-8b", batch=1, context=10, kv_format="bf16") | bad
+    with pytest.raises(ValueError, match=match):
+        B.budget(args.pop("model"), args.pop("batch"), args.pop("context"), args.pop("kv_format"), **args)
+
+
+def test_unreadable_config(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="could not be read as JSON"):
+        B.load_shape(str(p))
+
+
+def test_seed_headline_70b_fp8_fits_but_100_long_chats_do_not():
+    f = B.fit("llama-3.1-70b", "H200", "fp8")
+    assert f.weights_fit
+    chats = B.budget("llama-3.1-70b", 100, 32768, "fp8")
+    assert chats.cache_bytes > f.free_for_cache_per_gpu
+    # halving the KV dtype roughly doubles concurrency
+    c16 = B.max_concurrency("llama-3.1-70b", 32768, "bf16", "H200", "fp8")
+    c8 = B.max_concurrency("llama-3.1-70b", 32768, "fp8", "H200", "fp8")
+    assert c8 >= 2 * c16
+
+
+def test_max_context_is_the_boundary():
+    t = B.max_context("llama-3.1-8b", 8, "fp8", "L4", "bf16")
+    free = B.fit("llama-3.1-8b", "L4", "bf16").free_for_cache_per_gpu
+    assert B.budget("llama-3.1-8b", 8, t, "fp8").cache_bytes <= free < B.budget("llama-3.1-8b", 8, t + 1, "fp8").cache_bytes
+    assert B.max_concurrency("llama-3.1-70b", 1000, gpu="L4") == 0  # the weights alone do not fit
+
+
+def test_every_preset_has_a_source():
+    for name in B.preset_names():
+        shape = B.load_shape(name)
+        assert shape.num_parameters and shape.num_layers
+    for g in B.gpus().values():
+        assert g.source and g.memory_bytes > 0
+
+
+formats = st.sampled_from(["fp16", "fp8", "int8", "int4", "q4_0", "kivi-2", "lmdeploy-int4"])
+models = st.sampled_from(["llama-3.1-8b", "gemma-2-9b", "deepseek-v3", "mistral-7b-v0.1"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(models, formats, st.integers(1, 64), st.integers(0, 300_000), st.integers(1, 64), st.integers(0, 5000))
+def test_monotonic_in_batch_and_context(model, fmt, batch, ctx, db, dt):
+    b = B.budget(model, batch, ctx, fmt).cache_bytes
+    assert B.budget(model, batch + db, ctx, fmt).cache_bytes >= b
+    assert B.budget(model, batch, ctx + dt, fmt).cache_bytes >= b
+
+
+@settings(max_examples=40, deadline=None)
+@given(models, st.integers(1, 8), st.integers(1, 200_000))
+def test_monotonic_in_bits(model, batch, ctx):
+    two_bit = get_format("kivi-2").with_options(residual=0)  # no full-precision window
+    sizes = [B.budget(model, batch, ctx, f).cache_bytes for f in (two_bit, "int4_tensor", "fp8", "fp16", "fp32")]
+    assert sizes == sorted(sizes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["llama-3.1-70b", "qwen2.5-7b", "deepseek-v3", "gemma-2-9b"]),
+       st.sampled_from([1, 2, 4, 8, 16]), st.integers(1, 100_000), formats)
+def test_tp_per_gpu_times_ranks_covers_total(model, tp, ctx, fmt):
+    b = B.budget(model, 1, ctx, fmt, tp=tp)
+    assert b.cache_bytes_per_gpu * tp >= b.cache_bytes
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 100_000), st.integers(1, 20_000))
+def test_windowed_never_exceeds_full(batch, ctx, window):
+    windowed = cfg(model_type="mistral", sliding_window=window, num_key_value_heads=2)
+    full = cfg(model_type="mistral", sliding_window=None, num_key_value_heads=2)
+    assert B.budget(windowed, batch, ctx).cache_bytes <= B.budget(full, batch, ctx).cache_bytes

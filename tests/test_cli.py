@@ -1,0 +1,67 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvlab.cli import main
+
+
+def test_json_output(capsys):
+    assert main(["budget", "--model", "llama-3.1-8b", "--batch", "2", "--context", "1000", "--kv-dtype", "int4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == 32 * 2 * 8 * 128 * 9 // 16
+    assert out["cache_bytes"] == 2 * 1000 * out["bytes_per_token"]
+    assert isinstance(out["cache_bytes"], int) and isinstance(out["bytes_per_token"], int)
+
+
+def test_gpu_fields(capsys):
+    assert main(["budget", "--model", "llama-3.1-70b", "--batch", "100", "--context", "32768", "--kv-dtype", "fp8",
+                 "--gpu", "H200", "--weights-dtype", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["max_concurrency"] >= 1
+
+
+def test_table_output(capsys):
+    assert main(["budget", "--model", "qwen2.5-7b", "--batch", "1", "--context", "10"]) == 0
+    assert "bytes_per_token" in capsys.readouterr().out
+
+
+def run(argv):
+    """main()'s exit status, whether argparse exits or main returns."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "nope"], "neither a preset"),
+    (["--kv-dtype", "int3"], "unknown KV format"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--context", "-4"], "--context must be >= 0"),
+    (["--batch", "two"], "--batch must be an integer"),
+    (["--gpu", "TPU"], "unknown GPU"),
+    (["--tp", "3"], "tp=3"),
+    (["--memory-utilization", "1.5"], "must be in (0, 1]"),
+])
+def test_errors_are_one_clear_line(argv, needle, capsys):
+    base = {"--model": "llama-3.1-70b", "--batch": "1", "--context": "100"}
+    args = ["budget"] + [x for k, v in base.items() if k not in argv for x in (k, v)] + argv
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unreadable_config_path(tmp_path, capsys):
+    p = tmp_path / "config.json"
+    p.write_text("[]")
+    assert main(["budget", "--model", str(p), "--batch", "1", "--context", "1"]) == 2
+    assert "JSON object" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    r = subprocess.run([sys.executable, "-m", "kvlab", "formats", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0
+    names = [row["name"] for row in json.loads(r.stdout)]
+    assert {"fp8_e4m3", "int4", "q4_0", "kivi-2"} <= set(names)

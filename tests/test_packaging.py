@@ -1,0 +1,53 @@
+"""Set-up files agree with each other, and notebooks are committed clean."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import tomllib
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def norm(req: str) -> str:
+    return re.sub(r"\s+", "", req).lower()
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    want = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    got = [d for d in pip if d != "-e ."]
+    assert sorted(map(norm, got)) == sorted(map(norm, want)), "environment.yml's pip list drifted from pyproject.toml"
+
+
+def test_notebooks_committed_without_outputs():
+    files = subprocess.run(["git", "ls-files", "*.ipynb"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not files:  # not a git checkout: check what is on disk
+        files = [str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb")]
+    assert files, "no notebooks found"
+    for f in files:
+        nb = json.loads((ROOT / f).read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code":
+                assert not cell.get("outputs") and cell.get("execution_count") is None, f"{f} has outputs"
+
+
+def test_kernels_install_under_kvlab(tmp_path):
+    import sys
+
+    import kvlab.kernels
+
+    assert Path(kvlab.kernels.__file__).parent == ROOT / "kernels"
+    # From anywhere but the repo root, no top-level module named `kernels` comes from us.
+    probe = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert str(ROOT) not in out
+
+
+def test_ci_runs_the_readme_command():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert "make test" in (ROOT / "README.md").read_text() and "make lab" in (ROOT / "README.md").read_text()

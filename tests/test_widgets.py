@@ -1,0 +1,38 @@
+from kvlab import budget as B
+from kvlab.widgets import BudgetExplorer, memory_breakdown
+
+
+def test_slider_updates_figure_in_place():
+    e = BudgetExplorer(model="llama-3.1-8b", gpu="H100-80GB", kv_format="bf16", batch=4, context=4096)
+    bar_trace, curve_trace = e.bar.data[1], e.curve.data[0]
+    before = e.bar.data[1].x[0]
+    e.batch.value = 8  # programmatic slider move
+    assert e.bar.data[1] is bar_trace  # same trace object: updated, not re-rendered
+    assert e.bar.data[1].x[0] == 2 * before
+    e.context.value = 8192
+    assert e.bar.data[1].x[0] == 4 * before
+    assert tuple(e.curve.data[-1].x) == (8192,) and tuple(e.curve.data[-1].y) == (8,)
+    old_curve = tuple(curve_trace.y)
+    e.gpu.value = "L4"
+    assert e.curve.data[0] is curve_trace and tuple(curve_trace.y) != old_curve
+
+
+def test_kv_format_dropdown_halves_cache():
+    e = BudgetExplorer(model="llama-3.1-8b", kv_format="bf16")
+    c16 = e.bar.data[1].x[0]
+    e.kv_format.value = "fp8_e4m3"
+    assert e.bar.data[1].x[0] == c16 / 2
+
+
+def test_bad_tp_shows_error_instead_of_raising():
+    e = BudgetExplorer(model="qwen2.5-7b")
+    e.tp.value = 8  # 4 KV heads: replicated, fine
+    assert "fits" in e.status.value
+    e.model.value = "llama-3.1-8b"
+    assert "GiB" in e.status.value
+
+
+def test_memory_breakdown_adds_up():
+    m = memory_breakdown("llama-3.1-8b", "H100-80GB", "fp8", "bf16", 4, 8192)
+    assert abs(m["weights"] + m["cache"] + m["free"] - m["capacity"]) < 1e-6
+    assert m["cache"] * 1024**3 == B.budget("llama-3.1-8b", 4, 8192, "fp8").cache_bytes
