@@ -34,7 +34,7 @@ torch:
 
 # Open the workbook. On a headless machine, tunnel the port: ssh -L $(PORT):localhost:$(PORT) host
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) --no-browser --ip=127.0.0.1
+	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) --no-browser --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvlab kernels tests benchmarks scripts notebooks
