@@ -48,6 +48,7 @@ class Quantizer:
     group_axis: str = "channel"
     symmetric: bool = True
     scale_bits: int = 16  # bits of each stored scale (fp16 = 16, fp32 = 32)
+    full_range: bool = False  # symmetric ints use -2^(b-1)..2^(b-1)-1 (llama.cpp q4_0), not +-(2^(b-1)-1)
 
     def __post_init__(self):
         if self.element not in ELEMENTS:
@@ -59,6 +60,8 @@ class Quantizer:
                 raise ValueError(f"group granularity needs a positive integer group_size, got {self.group_size!r}")
             if self.group_axis not in ("channel", "token"):
                 raise ValueError(f"group_axis must be 'channel' or 'token', got {self.group_axis!r}")
+        if self.scale_bits not in (16, 32):
+            raise ValueError(f"scale_bits must be 16 or 32, got {self.scale_bits!r}")
 
     @property
     def bits(self) -> int:
@@ -134,8 +137,9 @@ class KVFormat:
         return replace(self, name=name or self.name + suffix, **changes)
 
 
-def _q(element, granularity="tensor", group_size=None, group_axis="channel", symmetric=True, scale_bits=16):
-    return Quantizer(element, granularity, group_size, group_axis, symmetric, scale_bits)
+def _q(element, granularity="tensor", group_size=None, group_axis="channel", symmetric=True, scale_bits=16,
+       full_range=False):
+    return Quantizer(element, granularity, group_size, group_axis, symmetric, scale_bits, full_range)
 
 
 def _same(name, q, **kw):
@@ -172,7 +176,7 @@ for _fmt in (
     _same("q8_0", _q("int8", "group", 32),
           source="llama.cpp GGML_TYPE_Q8_0: blocks of 32 int8 values with one fp16 scale, 34 bytes per block "
                  "(ggml-common.h block_q8_0); selected with --cache-type-k/-v q8_0"),
-    _same("q4_0", _q("int4", "group", 32),
+    _same("q4_0", _q("int4", "group", 32, full_range=True),
           source="llama.cpp GGML_TYPE_Q4_0: blocks of 32 4-bit values (q - 8) with one fp16 scale, 18 bytes per "
                  "block (ggml-common.h block_q4_0); selected with --cache-type-k/-v q4_0"),
     _same("hf-int4", _q("int4", "group", 64, symmetric=False), residual=128,
@@ -183,7 +187,7 @@ for _fmt in (
              source="KIVI (Liu et al. 2024, arXiv:2402.02750): keys per-channel and values per-token, asymmetric, "
                     "group size 32, full-precision residual of 128 tokens", aliases=("kivi4",)),
     KVFormat("kivi-2", _q("int2", "group", 32, "token", symmetric=False), _q("int2", "group", 32, symmetric=False),
-             residual=128, source="KIVI-2 (Liu et al. 2024, arXiv:2402.02750): as KIVI-4 with 2-bit values",
+             residual=128, source="KIVI-2 (Liu et al. 2024, arXiv:2402.02750): as KIVI-4 with 2-bit keys and values",
              aliases=("kivi2",)),
     _same("lmdeploy-int8", _q("int8", "token", symmetric=False),
           source="LMDeploy quant_policy=8: asymmetric INT8 per token and head with scale and zero point "

@@ -1,0 +1,196 @@
+"""A ``transformers`` cache that stores K and V in any kvlab format.
+
+:class:`KVQuantCache` is a ``transformers.Cache`` made of :class:`KVQuantLayer`
+objects, one per decoder layer, each with the library's one-method contract:
+``update(new_keys, new_values) -> (all_keys, all_values)``. It therefore works
+with ``model(..., past_key_values=cache)`` and ``model.generate(past_key_values=cache)``.
+
+Storage per layer, oldest tokens first:
+
+* ``sinks`` — the first tokens, kept in full precision (StreamingLLM's attention
+  sinks, Xiao et al. 2023, arXiv:2309.17453);
+* the quantized body — codes, scales and zeros in one contiguous tensor each
+  (``[batch, kv_heads, tokens, ...]``; the layout the Triton kernel reads);
+* the residual — the most recent tokens, in full precision, flushed into the
+  body once more than ``residual`` are waiting (KIVI's streaming residual,
+  Liu et al. 2024, arXiv:2402.02750). Formats whose groups run along tokens
+  flush whole groups only, so up to ``residual + group_size - 1`` wait.
+
+Scales shared over a whole tensor, head or channel (they would change with every
+token) are *calibrated once*, on the first tokens that reach the body, then
+frozen; later values saturate. This mirrors static-scale FP8 in vLLM and
+``transformers``' ``Fp8QuantizedLayer``. Per-token and grouped scales are computed
+for each token (or group) as it arrives.
+
+``quantize_prefill`` (default True): the first forward also attends over the
+dequantized cache, as a server whose attention kernel reads the cache does. With
+False, the first call returns the incoming states untouched, as
+``transformers.QuantizedCache`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .formats import KVFormat, Quantizer, get_format
+from .quant import QTensor, dequantize, hadamard, quantize
+
+
+def _token_dim(q: Quantizer) -> int | None:
+    """Axis of a scale tensor that grows with tokens; None when the scale is frozen."""
+    if q.granularity == "token":
+        return -2
+    if q.granularity == "group":
+        return -3  # [..., T, D/g, 1] for channel groups, [..., T/g, 1, D] for token groups
+    return None
+
+
+class _Store:
+    """The quantized body of K or V for one layer: appendable codes, scales, zeros."""
+
+    def __init__(self, q: Quantizer, rotate: bool):
+        self.q, self.rotate = q, rotate
+        self.qt: QTensor | None = None
+        self.tokens = 0
+
+    @property
+    def chunk(self) -> int:
+        return self.q.group_size if (self.q.granularity == "group" and self.q.group_axis == "token") else 1
+
+    def append(self, x: torch.Tensor) -> None:
+        if x.shape[-2] == 0:
+            return
+        if self.rotate:
+            x = (x.float() @ hadamard(x.shape[-1], device=x.device)).to(x.dtype)
+        frozen = self.qt is not None and _token_dim(self.q) is None
+        new = quantize(x, self.q, scale=self.qt.scale if frozen else None,
+                       zero=self.qt.zero if frozen else None)
+        if self.qt is None:
+            self.qt = new
+        else:
+            td = _token_dim(self.q)
+            cat = lambda a, b: torch.cat([a, b], dim=td) if td is not None else a
+            old = self.qt
+            shape = (*old.shape[:-2], old.shape[-2] + new.shape[-2], old.shape[-1])
+            self.qt = QTensor(torch.cat([old.data, new.data], dim=-2),
+                              None if old.scale is None else cat(old.scale, new.scale),
+                              None if old.zero is None else cat(old.zero, new.zero),
+                              shape, self.q, old.dtype)
+        self.tokens += x.shape[-2]
+
+    def dequantized(self) -> torch.Tensor | None:
+        if self.qt is None:
+            return None
+        x = dequantize(self.qt)
+        if self.rotate:
+            x = (x.float() @ hadamard(x.shape[-1], device=x.device).T).to(x.dtype)
+        return x
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.qt is None else self.qt.nbytes
+
+
+class KVQuantLayer(DynamicLayer):
+    """One decoder layer's cache in a kvlab format (see the module docstring)."""
+
+    is_croppable = False
+
+    def __init__(self, fmt: str | KVFormat = "fp16", quantize_prefill: bool = True):
+        super().__init__()
+        self.fmt = get_format(fmt)
+        self.quantize_prefill = quantize_prefill
+        self.cumulative_length = 0
+        self.k_store = _Store(self.fmt.key, self.fmt.rotate)
+        self.v_store = _Store(self.fmt.value, self.fmt.rotate)
+        self.sink_k = self.sink_v = self.res_k = self.res_v = None
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device, self.dtype = key_states.device, key_states.dtype
+        empty = key_states[..., :0, :]
+        self.sink_k, self.sink_v = empty.clone(), value_states[..., :0, :].clone()
+        self.res_k, self.res_v = empty.clone(), value_states[..., :0, :].clone()
+        self.keys = self.values = empty  # transformers reads these for dtype/device only
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        first = not self.is_initialized
+        if first:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        k, v = key_states, value_states
+        # 1. the first `sinks` tokens stay in full precision
+        room = self.fmt.sinks - self.sink_k.shape[-2]
+        if room > 0:
+            self.sink_k = torch.cat([self.sink_k, k[..., :room, :]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, v[..., :room, :]], dim=-2)
+            k, v = k[..., room:, :], v[..., room:, :]
+        # 2. everything else enters the residual; the overflow is quantized in whole chunks
+        self.res_k = torch.cat([self.res_k, k], dim=-2)
+        self.res_v = torch.cat([self.res_v, v], dim=-2)
+        self._flush()
+        if first and not self.quantize_prefill:
+            return key_states, value_states
+        return self._gather()
+
+    def _flush(self) -> None:
+        chunk = self.k_store.chunk
+        over = self.res_k.shape[-2] - self.fmt.residual
+        n = over // chunk * chunk
+        if n <= 0:
+            return
+        self.k_store.append(self.res_k[..., :n, :])
+        self.v_store.append(self.res_v[..., :n, :])
+        self.res_k, self.res_v = self.res_k[..., n:, :], self.res_v[..., n:, :]
+
+    def _gather(self):
+        parts_k = [self.sink_k, self.k_store.dequantized(), self.res_k]
+        parts_v = [self.sink_v, self.v_store.dequantized(), self.res_v]
+        keys = torch.cat([p.to(self.dtype) for p in parts_k if p is not None], dim=-2)
+        values = torch.cat([p.to(self.dtype) for p in parts_v if p is not None], dim=-2)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def reset(self) -> None:
+        self.__init__(self.fmt, self.quantize_prefill)
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("KVQuantCache does not support beam search; use greedy or sampling")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer really holds: full-precision sinks and residual, codes, scales and zeros."""
+        full = sum(t.numel() * t.element_size() for t in (self.sink_k, self.sink_v, self.res_k, self.res_v)
+                   if t is not None)
+        return full + self.k_store.nbytes + self.v_store.nbytes
+
+
+class KVQuantCache(Cache):
+    """A ``transformers`` cache storing K and V in a kvlab format.
+
+    >>> cache = KVQuantCache("int4")
+    >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=20)
+    >>> cache.nbytes            # bytes the cache really holds
+    """
+
+    def __init__(self, fmt: str | KVFormat = "fp16", num_layers: int | None = None, *,
+                 quantize_prefill: bool = True):
+        self.fmt = get_format(fmt)
+        if not isinstance(quantize_prefill, bool):
+            raise TypeError(f"quantize_prefill must be a bool, got {quantize_prefill!r}")
+        if num_layers is None:
+            super().__init__(layer_class_to_replicate=lambda: KVQuantLayer(self.fmt, quantize_prefill))
+        else:
+            if not isinstance(num_layers, int) or num_layers < 1:
+                raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+            super().__init__(layers=[KVQuantLayer(self.fmt, quantize_prefill) for _ in range(num_layers)])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

@@ -1,0 +1,89 @@
+"""How wrong is a quantized K or V? Errors on the tensors and on what attention makes of them.
+
+All functions take the reference ``x`` and its quantized-dequantized ``x_hat``
+shaped ``[batch, heads, tokens, head_dim]`` and reduce over the axes you do not
+name in ``per``: ``per=()`` gives one number, ``per=("head",)`` one per head,
+``per=("channel",)`` one per channel, and so on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+AXES = {"batch": 0, "head": 1, "token": 2, "channel": 3}
+
+
+def _reduce_dims(per) -> tuple[int, ...]:
+    if isinstance(per, str):
+        per = (per,)
+    bad = [p for p in per if p not in AXES]
+    if bad:
+        raise ValueError(f"per must name axes from {list(AXES)}, got {bad}")
+    return tuple(d for a, d in AXES.items() if a not in per)
+
+
+def _check_pair(x, x_hat):
+    if not isinstance(x, torch.Tensor) or not isinstance(x_hat, torch.Tensor):
+        raise TypeError("x and x_hat must be tensors")
+    if x.shape != x_hat.shape:
+        raise ValueError(f"x and x_hat shapes differ: {tuple(x.shape)} vs {tuple(x_hat.shape)}")
+    if x.dim() != 4:
+        raise ValueError(f"expected [batch, heads, tokens, head_dim], got shape {tuple(x.shape)}")
+
+
+def mse(x: torch.Tensor, x_hat: torch.Tensor, per=()) -> torch.Tensor:
+    _check_pair(x, x_hat)
+    return ((x.double() - x_hat.double()) ** 2).mean(dim=_reduce_dims(per))
+
+
+def snr_db(x: torch.Tensor, x_hat: torch.Tensor, per=()) -> torch.Tensor:
+    """Signal-to-noise ratio in dB: 10 log10(sum x^2 / sum (x - x_hat)^2). Inf when exact."""
+    _check_pair(x, x_hat)
+    dims = _reduce_dims(per)
+    sig = (x.double() ** 2).sum(dim=dims)
+    noise = ((x.double() - x_hat.double()) ** 2).sum(dim=dims)
+    return 10 * torch.log10(sig / noise)
+
+
+def _expand_kv(t: torch.Tensor, n_q_heads: int) -> torch.Tensor:
+    """Repeat KV heads for grouped-query attention."""
+    rep = n_q_heads // t.shape[1]
+    return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+
+def attention_logits(q: torch.Tensor, k: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """Causal attention logits ``q k^T * scaling`` (masked entries are -inf), KV heads expanded for GQA."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    scaling = scaling if scaling is not None else q.shape[-1] ** -0.5
+    s = (q.double() @ _expand_kv(k, q.shape[1]).double().transpose(-1, -2)) * scaling
+    tq, tk = q.shape[-2], k.shape[-2]
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+    return s.masked_fill(~mask, -math.inf)
+
+
+def attention_output(q, k, v, scaling=None) -> torch.Tensor:
+    p = torch.softmax(attention_logits(q, k, scaling), dim=-1)
+    return p @ _expand_kv(v, q.shape[1]).double()
+
+
+def attention_errors(q, k, v, k_hat, v_hat, scaling=None, per=()) -> dict[str, torch.Tensor]:
+    """Error that quantized K/V cause in attention, for real queries.
+
+    * ``logit_rmse`` — RMS error of the (unmasked) logits ``q.k * scaling``;
+    * ``output_rel_error`` — ||out_hat - out|| / ||out||, the attention output's relative error.
+    ``per`` may name ``"head"`` (query heads) or ``"token"`` (query positions).
+    """
+    _check_pair(k, k_hat)
+    _check_pair(v, v_hat)
+    s, s_hat = attention_logits(q, k, scaling), attention_logits(q, k_hat, scaling)
+    finite = torch.isfinite(s)
+    d = torch.where(finite, s - s_hat, torch.zeros_like(s))
+    dims = tuple(x for x in _reduce_dims(per) if x != 3) + (3,)  # logits' last axis is keys
+    logit_rmse = torch.sqrt((d**2).sum(dim=dims) / finite.sum(dim=dims))
+    o, o_hat = attention_output(q, k, v, scaling), attention_output(q, k_hat, v_hat, scaling)
+    odims = _reduce_dims(per)
+    rel = torch.sqrt(((o - o_hat) ** 2).sum(dim=odims) / (o**2).sum(dim=odims))
+    return {"logit_rmse": logit_rmse, "output_rel_error": rel}
