@@ -206,16 +206,35 @@ def _split_heads(kv_heads: int, tp: int) -> int:
     raise ValueError(f"tp={tp} must divide, or be a multiple of, the {kv_heads} KV heads")
 
 
-def _layer_bits_per_token(layer: LayerSpec, fmt: KVFormat, tp: int, full: bool) -> float:
-    """Bits one token costs in one layer on one rank; ``full`` = stored in full precision."""
+def _layer_bits_per_token(layer: LayerSpec, fmt: KVFormat, tp: int, full_bits: int | None) -> float:
+    """Bits one token costs in one layer on one rank; ``full_bits`` set = kept in full precision."""
     if layer.latent_dim:  # MLA latent: one vector, replicated on every rank
-        q = fmt.key
-        bits = 16 if full else q.bits_per_element(layer.latent_dim)
+        bits = full_bits if full_bits else fmt.key.bits_per_element(layer.latent_dim)
         return layer.latent_dim * bits
     heads = _split_heads(layer.kv_heads, tp)
-    if full:
-        return heads * layer.head_dim * 2 * 16
+    if full_bits:
+        return heads * layer.head_dim * 2 * full_bits
     return heads * fmt.bytes_per_token_head(layer.head_dim) * 8
+
+
+def _full_precision_tokens(fmt: KVFormat, held: int) -> int:
+    """Tokens a cache keeps unquantized: sinks, the residual window, and (for formats whose
+    groups run along tokens) the tokens still waiting to fill a group."""
+    n = min(held, fmt.sinks + fmt.residual)
+    k = fmt.key
+    if k.granularity == "group" and k.group_axis == "token":
+        n += (held - n) % k.group_size
+    return n
+
+
+def _static_scale_bits(layer: LayerSpec, fmt: KVFormat, batch: int, tp: int) -> int:
+    """Scales shared by all tokens (per tensor, head or channel): a constant per layer."""
+    if layer.latent_dim:
+        return 0
+    heads = _split_heads(layer.kv_heads, tp)
+    count = {"tensor": 1, "head": heads, "channel": batch * heads * layer.head_dim}
+    return sum(count.get(q.granularity, 0) * (q.scale_bits + q.zero_bits)
+               for q in (fmt.key, fmt.value) if not q.is_passthrough)
 
 
 @dataclass(frozen=True)
@@ -232,13 +251,15 @@ class Budget:
     per_layer_bytes: tuple[int, ...] = ()
 
 
-def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, block_size: int = 1) -> Budget:
+def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, block_size: int = 1,
+           full_precision_bits: int = 16) -> Budget:
     """Cache bytes for ``batch`` sequences of ``context`` tokens each.
 
     ``bytes_per_token`` is what one more token costs when every layer still
     stores it; ``cache_bytes`` applies windows, paging, full-precision
-    residual/sink tokens, and sums K and V over all layers (and over all ranks;
-    ``cache_bytes_per_gpu`` is one rank's share).
+    residual/sink tokens (stored at ``full_precision_bits``, the model's
+    activation dtype), constant per-tensor/head/channel scales, and sums K and V
+    over all layers (and over all ranks; ``cache_bytes_per_gpu`` is one rank's share).
     """
     shape = load_shape(model)
     fmt = get_format(kv_format)
@@ -246,19 +267,22 @@ def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, bl
     context = _positive_int("context", context, zero_ok=True)
     tp = _positive_int("tp", tp)
     block_size = _positive_int("block_size", block_size)
+    if full_precision_bits not in (16, 32):
+        raise ValueError(f"full_precision_bits must be 16 or 32, got {full_precision_bits!r}")
 
     def cache(ranks: int) -> list[int]:
         out = []
         for layer in shape.layers:
             held = context if layer.window is None else min(context, layer.window)
             slots = math.ceil(held / block_size) * block_size  # paged: whole blocks
-            n_full = min(slots, fmt.residual + fmt.sinks)
-            bits = (slots - n_full) * _layer_bits_per_token(layer, fmt, ranks, False)
-            bits += n_full * _layer_bits_per_token(layer, fmt, ranks, True)
-            out.append(math.ceil(batch * bits / 8))
+            n_full = _full_precision_tokens(fmt, slots)
+            bits = (slots - n_full) * _layer_bits_per_token(layer, fmt, ranks, None)
+            bits += n_full * _layer_bits_per_token(layer, fmt, ranks, full_precision_bits)
+            static = _static_scale_bits(layer, fmt, batch, ranks) if slots > n_full else 0
+            out.append(math.ceil(batch * bits / 8) + static // 8)
         return out
 
-    per_token_bits = sum(_layer_bits_per_token(layer, fmt, 1, False) for layer in shape.layers)
+    per_token_bits = sum(_layer_bits_per_token(layer, fmt, 1, None) for layer in shape.layers)
     per_layer = cache(1)
     return Budget(
         shape.name, fmt.name, batch, context, tp, block_size,

@@ -1,0 +1,25 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A randomly initialised 2-layer Llama with GQA: fast, and the same code paths as the shipped model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def shipped():
+    """The model the project ships in data/model (model, tokenizer)."""
+    from kvlab.models import load_model
+
+    return load_model()

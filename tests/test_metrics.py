@@ -1,0 +1,45 @@
+import math
+
+import pytest
+import torch
+
+from kvlab.metrics import attention_errors, attention_logits, attention_output, mse, snr_db
+
+
+def test_mse_and_snr_by_hand():
+    x = torch.ones(1, 2, 3, 4)
+    y = x + 0.1
+    assert mse(x, y).item() == pytest.approx(0.01)
+    assert snr_db(x, y).item() == pytest.approx(20.0)  # 10 log10(1 / 0.01)
+    assert math.isinf(snr_db(x, x).item())
+    assert mse(x, y, per="head").shape == (2,)
+    assert mse(x, y, per=("head", "channel")).shape == (2, 4)
+
+
+def test_attention_matches_sdpa_with_gqa():
+    q, k, v = torch.randn(1, 4, 7, 16), torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.allclose(attention_output(q, k, v).float(), ref, atol=1e-5)
+    s = attention_logits(q, k)
+    assert torch.isinf(s[0, 0, 0, 1]) and torch.isfinite(s[0, 0, 1, 0])
+
+
+def test_attention_errors_zero_when_exact_and_grow_with_noise():
+    q, k, v = torch.randn(1, 4, 20, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    e0 = attention_errors(q, k, v, k, v)
+    assert e0["logit_rmse"].item() == 0 and e0["output_rel_error"].item() == 0
+    small = attention_errors(q, k, v, k + 0.01 * torch.randn_like(k), v)
+    big = attention_errors(q, k, v, k + 0.1 * torch.randn_like(k), v)
+    assert big["logit_rmse"] > small["logit_rmse"] > 0
+    # noise of std s on k gives logit noise of about s * |q| / sqrt(d) per logit
+    assert small["logit_rmse"].item() == pytest.approx(0.01 * q.norm(dim=-1).pow(2).mean().sqrt().item() / 4, rel=0.3)
+    assert attention_errors(q, k, v, k, v, per="head")["logit_rmse"].shape == (4,)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="shapes differ"):
+        mse(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 3))
+    with pytest.raises(ValueError, match="per must name axes"):
+        mse(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), per="row")
+    with pytest.raises(ValueError, match="not a multiple"):
+        attention_logits(torch.zeros(1, 3, 2, 4), torch.zeros(1, 2, 2, 4))

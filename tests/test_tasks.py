@@ -1,0 +1,42 @@
+import random
+
+import pytest
+
+from kvlab import tasks
+
+
+class CharTok:
+    """A stand-in tokenizer: one token per character (so lengths are easy to reason about)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("length", [200, 257, 1000])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_exact_length_and_depth(length, depth):
+    tok = CharTok()
+    ex = tasks.passkey(tok, length, depth, random.Random(0), key="12345")
+    assert len(ex.input_ids) == length
+    text = "".join(map(chr, ex.input_ids))
+    assert text.count("12345") == 2 and text.endswith(tasks.QUESTION)
+    assert "".join(map(chr, ex.answer_ids)) == " 12345"
+    assert text[ex.needle_start:].startswith(tasks.NEEDLE.format(key="12345"))
+    hay = length - len(tasks.INTRO) - len(tasks.NEEDLE.format(key="12345")) - len(tasks.QUESTION)
+    placed = (ex.needle_start - len(tasks.INTRO)) / hay
+    assert abs(placed - depth) < 0.05 + 25 / hay  # within one filler sentence of the requested depth
+
+
+def test_passkey_errors():
+    with pytest.raises(ValueError, match="too short"):
+        tasks.passkey(CharTok(), 50, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="depth"):
+        tasks.passkey(CharTok(), 500, 1.5, random.Random(0))
+
+
+def test_kv_lookup_weights_mark_answers():
+    ids, w = tasks.kv_lookup(CharTok(), 600, random.Random(1), n_pairs=4, n_queries=2)
+    assert len(ids) == len(w) == 600
+    marked = "".join(chr(i) for i, x in zip(ids, w) if x)
+    assert len(marked) == 2 * 7  # " 12345." twice
+    assert all(c.isdigit() or c in " ." for c in marked)
