@@ -4,7 +4,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.formats import Quantizer, format_names, get_format
-from kvlab.quant import _grouped, dequantize, fake_quantize, hadamard, pack_int, quantize, quantize_kv, unpack_int
+from kvlab.quant import (
+    _grouped,
+    dequantize,
+    fake_quantize,
+    hadamard,
+    pack_int,
+    quantize,
+    quantize_kv,
+    unpack_int,
+)
 
 INT_QUANTIZERS = [
     Quantizer("int8", "token"), Quantizer("int8", "tensor"), Quantizer("int4", "token"),

@@ -1,0 +1,365 @@
+"""Decode attention that reads a quantized KV cache directly (split-KV / flash-decoding).
+
+One new query token per sequence attends over that sequence's cached keys and
+values. The cache stays in its storage format — fp16/bf16, FP8 (e4m3 or e5m2),
+INT8, or INT4 packed two per byte — and each program dequantizes one tile of
+``BLOCK_N`` tokens at a time in registers: codes -> float32, times the scale
+(plus the zero point for asymmetric formats). No full-precision copy of the
+cache is ever written to memory; that is the point of fusing.
+
+Work split (flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context
+inference"): the grid is ``(batch, kv_head, split)``. Each program takes one KV
+head, all the query heads that share it (grouped-query attention), and one slice
+of the sequence, and runs the online softmax over its slice (Milakov &
+Gimelshein 2018): it keeps a running max ``m``, a running sum ``l`` of
+``exp(s - m)``, and an accumulator of ``exp(s - m) * v``, rescaling both by
+``exp(m_old - m_new)`` whenever the max grows. It writes its partial output
+``acc / l`` and its log-sum-exp ``m + log(l)``. A second small kernel merges the
+splits: ``out = sum_s exp(lse_s - lse) * out_s`` with ``lse = logsumexp_s(lse_s)``.
+A long single sequence therefore still spreads over many programs.
+
+Storage layout (the same as :class:`kvlab.cache.KVQuantLayer`'s store):
+
+* codes ``[batch, kv_heads, capacity, head_dim]`` (``head_dim // 2`` bytes for INT4,
+  element ``2i`` in the low nibble);
+* scales (and zeros) ``[batch, kv_heads, capacity, n_groups]`` for per-token or
+  per-group formats (``n_groups = head_dim // group_size``), or one value per
+  tensor (``scale_mode = "tensor"``);
+* integer codes are unsigned; symmetric formats store ``q + 2^(bits-1)``.
+
+``decode_attention_reference`` is the plain-torch reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import HAVE_TRITON, tl, triton  # kvlab.kernels sets up the interpreter first
+
+if not HAVE_TRITON:
+    raise ImportError("triton is not installed: the decode kernel is unavailable (the torch reference still is)")
+
+KINDS = {"float": 0, "fp8": 1, "int8": 2, "int4": 3}
+
+
+@dataclass
+class QuantizedKV:
+    """One of K or V as the kernel reads it. Build with :func:`from_qtensor` or by hand."""
+
+    codes: torch.Tensor  # [B, H, T, D] (fp16/bf16/fp8/uint8) or [B, H, T, D/2] uint8 for int4
+    scale: torch.Tensor | None  # [B, H, T, G] or a 1-element tensor; None for plain floats
+    zero: torch.Tensor | None  # same shape as scale, asymmetric ints only
+    kind: str  # float | fp8 | int8 | int4
+    symmetric: bool = True
+    head_dim: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if self.codes.dim() != 4:
+            raise ValueError(f"codes must be [batch, kv_heads, tokens, dim], got {tuple(self.codes.shape)}")
+        if not self.head_dim:
+            self.head_dim = self.codes.shape[-1] * (2 if self.kind == "int4" else 1)
+        if self.kind != "float" and self.scale is None:
+            raise ValueError(f"{self.kind} codes need a scale")
+        if self.kind in ("int8", "int4") and not self.symmetric and self.zero is None:
+            raise ValueError("asymmetric integer codes need a zero point")
+
+    @property
+    def scale_mode(self) -> str:
+        if self.scale is None:
+            return "none"
+        return "tensor" if self.scale.numel() == 1 else "token"
+
+    @property
+    def n_groups(self) -> int:
+        return self.scale.shape[-1] if self.scale_mode == "token" else 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """Full-precision float32 copy (what the unfused path materialises)."""
+        c = self.codes
+        if self.kind == "float":
+            return c.float()
+        if self.kind == "fp8":
+            x = c.float()
+        else:
+            if self.kind == "int4":
+                c = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(*c.shape[:-1], c.shape[-1] * 2)
+            x = c.float() - (2 ** (7 if self.kind == "int8" else 3) if self.symmetric else 0)
+        g = self.head_dim // self.n_groups
+        s = self.scale.float()
+        s = s.reshape(1, 1, 1, 1) if self.scale_mode == "tensor" else s.repeat_interleave(g, dim=-1)
+        x = x * s
+        if self.zero is not None:
+            z = self.zero.float()
+            x = x + (z.reshape(1, 1, 1, 1) if self.scale_mode == "tensor" else z.repeat_interleave(g, dim=-1))
+        return x
+
+
+def from_qtensor(qt) -> QuantizedKV:
+    """View a :class:`kvlab.quant.QTensor` (per-tensor, per-token or channel-grouped) as kernel input."""
+    q = qt.quantizer
+    if q.is_passthrough:
+        return QuantizedKV(qt.data, None, None, "float")
+    if q.granularity == "tensor":
+        scale, zero = qt.scale.reshape(1), None if qt.zero is None else qt.zero.reshape(1)
+    elif q.granularity == "token" or (q.granularity == "group" and q.group_axis == "channel"):
+        B, H, T = qt.shape[:3]
+        scale = qt.scale.reshape(B, H, T, -1)
+        zero = None if qt.zero is None else qt.zero.reshape(B, H, T, -1)
+    else:
+        raise ValueError(f"the decode kernel reads per-tensor, per-token or channel-grouped scales, "
+                         f"not {q.granularity!r} along {q.group_axis!r}")
+    if q.kind == "int" and q.bits not in (4, 8):
+        raise ValueError(f"the decode kernel reads INT8 and INT4, not INT{q.bits}")
+    kind = "fp8" if q.kind == "fp8" else ("int8" if q.bits == 8 else "int4") if q.kind == "int" else "float"
+    return QuantizedKV(qt.data, scale, zero, kind, q.symmetric, qt.shape[-1])
+
+
+def allocate(q, batch: int, kv_heads: int, capacity: int, head_dim: int, device="cpu") -> QuantizedKV:
+    """An empty cache buffer for :class:`kvlab.formats.Quantizer` ``q`` (per-token or channel groups)."""
+    from kvlab.quant import FLOAT_DTYPES, FP8_DTYPES, SCALE_DTYPES
+
+    shape = (batch, kv_heads, capacity)
+    if q.is_passthrough:
+        return QuantizedKV(torch.zeros(*shape, head_dim, dtype=FLOAT_DTYPES[q.element], device=device),
+                           None, None, "float")
+    if q.granularity == "token":
+        groups = 1
+    elif q.granularity == "group" and q.group_axis == "channel":
+        groups = head_dim // q.group_size
+    else:
+        raise ValueError(f"allocate() supports per-token or channel-grouped scales, not {q.granularity!r}")
+    sdt = SCALE_DTYPES[q.scale_bits]
+    scale = torch.ones(*shape, groups, dtype=sdt, device=device)
+    zero = None if q.symmetric or q.kind != "int" else torch.zeros(*shape, groups, dtype=sdt, device=device)
+    if q.kind == "fp8":
+        codes = torch.zeros(*shape, head_dim, dtype=FP8_DTYPES[q.element], device=device)
+        return QuantizedKV(codes, scale, None, "fp8", True, head_dim)
+    if q.bits not in (4, 8):
+        raise ValueError(f"the kernels read INT8 and INT4, not INT{q.bits}")
+    codes = torch.zeros(*shape, head_dim * q.bits // 8, dtype=torch.uint8, device=device)
+    return QuantizedKV(codes, scale, zero, f"int{q.bits}", q.symmetric, head_dim)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def decode_attention_reference(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: torch.Tensor,
+                               scaling: float | None = None) -> torch.Tensor:
+    """Plain torch: dequantize everything, then softmax(q k^T * scaling) v per sequence, in float32."""
+    B, Hq, D = q.shape
+    Hkv = k.codes.shape[1]
+    scaling = D**-0.5 if scaling is None else scaling
+    kf, vf = k.dequantize(), v.dequantize()
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        kb = kf[b, :, :n].repeat_interleave(Hq // Hkv, dim=0)  # [Hq, n, D]
+        vb = vf[b, :, :n].repeat_interleave(Hq // Hkv, dim=0)
+        s = torch.einsum("hd,hnd->hn", q[b].float(), kb) * scaling
+        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), vb)
+    return out
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_tile(codes_ptr, scale_ptr, zero_ptr, base_row, offs_n, offs_d, mask_n,
+               stride_t, s_stride_t, N_GROUPS: tl.constexpr, GROUP: tl.constexpr,
+               KIND: tl.constexpr, SYMMETRIC: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """Load BLOCK_N tokens x HEAD_DIM values of K or V and dequantize them to float32."""
+    rows = base_row + offs_n  # token index inside this (batch, head)
+    if KIND == 3:  # int4: two codes per byte, element 2i in the low nibble
+        byte = tl.load(codes_ptr + rows[:, None] * stride_t + (offs_d // 2)[None, :], mask=mask_n[:, None])
+        x = ((byte >> ((offs_d % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+    else:
+        x = tl.load(codes_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=mask_n[:, None]).to(tl.float32)
+    # Rows past the end were not loaded: make them exact zeros (0 * p stays 0, never NaN).
+    x = tl.where(mask_n[:, None], x, 0.0)
+    if KIND >= 2:
+        if SYMMETRIC:  # unsigned storage: subtract the 2^(bits-1) offset
+            x = x - (128.0 if KIND == 2 else 8.0)
+    if SCALE_MODE == 1:  # one scale for the whole tensor
+        x = x * tl.load(scale_ptr).to(tl.float32)
+        if KIND >= 2 and not SYMMETRIC:
+            x = x + tl.load(zero_ptr).to(tl.float32)
+    elif SCALE_MODE == 2:  # a scale per token per group of GROUP channels
+        sp = rows[:, None] * s_stride_t + (offs_d // GROUP)[None, :]
+        x = x * tl.load(scale_ptr + sp, mask=mask_n[:, None], other=1.0).to(tl.float32)
+        if KIND >= 2 and not SYMMETRIC:
+            x = x + tl.load(zero_ptr + sp, mask=mask_n[:, None], other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, KS, KZ, V, VS, VZ, SEQ_LENS, O_PART, LSE_PART,
+    scaling,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt, stride_ksb, stride_ksh, stride_kst,
+    stride_vb, stride_vh, stride_vt, stride_vsb, stride_vsh, stride_vst,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    TOKENS_PER_SPLIT,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_KIND: tl.constexpr, K_SYM: tl.constexpr, K_SCALE_MODE: tl.constexpr, K_GROUPS: tl.constexpr,
+    V_KIND: tl.constexpr, V_SYM: tl.constexpr, V_SCALE_MODE: tl.constexpr, V_GROUPS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = split * TOKENS_PER_SPLIT
+    stop = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)  # query heads sharing this KV head (padded to BLOCK_G >= 16 for tl.dot)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_g = offs_g < QUERIES_PER_KV
+    qh = kvh * QUERIES_PER_KV + offs_g
+    q = tl.load(Q + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    q = (q.to(tl.float32) * scaling)
+
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    ks_base = KS + b * stride_ksb + kvh * stride_ksh
+    vs_base = VS + b * stride_vsb + kvh * stride_vsh
+    kz_base = KZ + b * stride_ksb + kvh * stride_ksh
+    vz_base = VZ + b * stride_vsb + kvh * stride_vsh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        mask_n = (n0 + offs_n) < stop
+        k = _load_tile(k_base, ks_base, kz_base, n0, offs_n, offs_d, mask_n, stride_kt, stride_kst,
+                       K_GROUPS, HEAD_DIM // K_GROUPS, K_KIND, K_SYM, K_SCALE_MODE)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_G, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)  # rescale what was accumulated under the old max
+        p = tl.exp(s - m_new[:, None])
+        v = _load_tile(v_base, vs_base, vz_base, n0, offs_n, offs_d, mask_n, stride_vt, stride_vst,
+                       V_GROUPS, HEAD_DIM // V_GROUPS, V_KIND, V_SYM, V_SCALE_MODE)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    # Empty splits (start >= seq_len) write lse = -inf so the merge ignores them.
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(O_PART + b * stride_ob + qh[:, None] * stride_oh + split * stride_os + offs_d[None, :], out,
+             mask=mask_g[:, None])
+    tl.store(LSE_PART + b * stride_lb + qh * stride_lh + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _merge_kernel(O_PART, LSE_PART, OUT, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                  stride_outb, stride_outh, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """out = sum_s softmax(lse)_s * out_s: combine the splits of one (batch, query head)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < N_SPLITS
+    lse = tl.load(LSE_PART + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, axis=0)
+    o = tl.load(O_PART + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                mask=mask_s[:, None], other=0.0)
+    tl.store(OUT + b * stride_outb + h * stride_outh + offs_d, tl.sum(o * w[:, None], axis=0))
+
+
+def _strides(t: torch.Tensor | None, n: int):
+    return (0,) * n if t is None or t.numel() == 1 else tuple(t.stride()[:n])
+
+
+def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: torch.Tensor,
+                     scaling: float | None = None, *, block_n: int = 32, num_splits: int | None = None,
+                     return_lse: bool = False):
+    """Attention of one query token per sequence over a quantized cache.
+
+    ``q``: ``[batch, q_heads, head_dim]``; ``seq_lens``: ``[batch]`` tokens in each
+    sequence (each at most the cache capacity). Returns float32 ``[batch, q_heads,
+    head_dim]`` (and the log-sum-exp of the logits per head with ``return_lse``).
+    """
+    _validate(q, k, v, seq_lens, block_n)
+    B, Hq, D = q.shape
+    Hkv, T = k.codes.shape[1], k.codes.shape[2]
+    group = Hq // Hkv
+    scaling = D**-0.5 if scaling is None else float(scaling)
+    max_len = int(seq_lens.max())
+    if num_splits is None:  # enough programs to fill the device, splits of at least 4 tiles
+        want = max(1, 128 // max(1, B * Hkv))
+        num_splits = max(1, min(want, math.ceil(max_len / (4 * block_n))))
+    per_split = max(block_n, math.ceil(max(max_len, 1) / num_splits / block_n) * block_n)
+    num_splits = max(1, math.ceil(max(max_len, 1) / per_split))
+    dev = q.device
+    o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=dev)
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    ks, kz = (k.scale if k.scale is not None else dummy), (k.zero if k.zero is not None else dummy)
+    vs, vz = (v.scale if v.scale is not None else dummy), (v.zero if v.zero is not None else dummy)
+    mode = {"none": 0, "tensor": 1, "token": 2}
+    _decode_split_kernel[(B, Hkv, num_splits)](
+        q, k.codes, ks, kz, v.codes, vs, vz, seq_lens, o_part, lse_part,
+        scaling,
+        q.stride(0), q.stride(1),
+        *k.codes.stride()[:3], *_strides(k.scale, 3),
+        *v.codes.stride()[:3], *_strides(v.scale, 3),
+        *o_part.stride()[:3], *lse_part.stride()[:2],
+        per_split,
+        QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=block_n,
+        K_KIND=KINDS[k.kind], K_SYM=k.symmetric, K_SCALE_MODE=mode[k.scale_mode], K_GROUPS=k.n_groups,
+        V_KIND=KINDS[v.kind], V_SYM=v.symmetric, V_SCALE_MODE=mode[v.scale_mode], V_GROUPS=v.n_groups,
+    )
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
+    _merge_kernel[(B, Hq)](
+        o_part, lse_part, out, *o_part.stride()[:3], *lse_part.stride()[:2], *out.stride()[:2],
+        N_SPLITS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=D,
+    )
+    if return_lse:
+        return out, torch.logsumexp(lse_part, dim=-1)
+    return out
+
+
+def _validate(q, k, v, seq_lens, block_n):
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got {getattr(q, 'shape', type(q))}")
+    B, Hq, D = q.shape
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, QuantizedKV):
+            raise TypeError(f"{name} must be a QuantizedKV, got {type(t).__name__}")
+        if t.head_dim != D:
+            raise ValueError(f"{name} head_dim {t.head_dim} != q head_dim {D}")
+        if t.codes.shape[0] != B:
+            raise ValueError(f"{name} batch {t.codes.shape[0]} != q batch {B}")
+        if t.codes.device != q.device:
+            raise ValueError(f"{name} is on {t.codes.device}, q on {q.device}")
+        if t.scale_mode == "token" and D % t.n_groups:
+            raise ValueError(f"{name}: {t.n_groups} scale groups do not divide head_dim {D}")
+    if k.codes.shape[:3] != v.codes.shape[:3]:
+        raise ValueError(f"k and v caches differ in shape: {tuple(k.codes.shape[:3])} vs {tuple(v.codes.shape[:3])}")
+    Hkv = k.codes.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.shape != (B,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be an integer tensor of shape ({B},)")
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > k.codes.shape[2]:
+        raise ValueError(f"seq_lens must be in [1, {k.codes.shape[2]}] (the cache capacity)")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
