@@ -297,7 +297,7 @@ def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: 
     """
     _validate(q, k, v, seq_lens, block_n)
     B, Hq, D = q.shape
-    Hkv, T = k.codes.shape[1], k.codes.shape[2]
+    Hkv = k.codes.shape[1]
     group = Hq // Hkv
     scaling = D**-0.5 if scaling is None else float(scaling)
     max_len = int(seq_lens.max())

@@ -55,6 +55,7 @@ class ModelShape:
     max_position_embeddings: int | None = None
     attention: str = "mha"  # mha | gqa | mqa | mla
     source: str = ""
+    q_heads: int = 0
     extras: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -141,7 +142,8 @@ def _load_shape(model) -> ModelShape:
         raise TypeError(f"model must be a preset name, a path, a dict or a PretrainedConfig, got {type(model).__name__}")
     shape = shape_from_config(cfg, name=name)
     n_params = n_params or estimate_parameters(cfg)
-    return ModelShape(shape.name, shape.layers, n_params, shape.max_position_embeddings, shape.attention, source)
+    return ModelShape(shape.name, shape.layers, n_params, shape.max_position_embeddings, shape.attention, source,
+                      q_heads=shape.q_heads)
 
 
 def _config_from_dict(d: dict):
@@ -165,7 +167,7 @@ def shape_from_config(cfg, name: str = "model") -> ModelShape:
     if g("kv_lora_rank"):  # multi-head latent attention
         latent = int(g("kv_lora_rank")) + int(g("qk_rope_head_dim") or 0)
         layers = tuple(LayerSpec(0, 0, None, latent) for _ in range(n_layers))
-        return ModelShape(name, layers, None, max_pos, "mla")
+        return ModelShape(name, layers, None, max_pos, "mla", q_heads=int(heads))
     kv_heads = g("num_key_value_heads") or heads
     head_dim = g("head_dim") or (g("hidden_size") // heads)
     window = g("sliding_window")
@@ -176,7 +178,7 @@ def shape_from_config(cfg, name: str = "model") -> ModelShape:
         wins = [window] * n_layers
     layers = tuple(LayerSpec(int(kv_heads), int(head_dim), w) for w in wins)
     kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
-    return ModelShape(name, layers, None, max_pos, kind)
+    return ModelShape(name, layers, None, max_pos, kind, q_heads=int(heads))
 
 
 def estimate_parameters(cfg) -> int | None:

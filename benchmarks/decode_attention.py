@@ -1,0 +1,157 @@
+"""Benchmark: fused decode attention over each KV format vs torch SDPA over a BF16 cache.
+
+On CUDA, for batch 1, 16, 64 x context 1k, 8k, 32k, 128k (skipping what does not
+fit), one attention layer shaped like Llama-3.1-8B's (32 query heads, 8 KV heads,
+head_dim 128) is timed with ``triton.testing.do_bench``, every format side by side
+with the baseline in the same run. Reported per point: microseconds; effective
+bandwidth = bytes of codes + scales + zeros (+ q and output) read / time, and its
+fraction of the GPU's peak HBM bandwidth (``data/presets/gpus.json``); speedup
+over the BF16 SDPA baseline. Results go to
+``data/results/decode_attention_<gpu>_<date>.json`` with the date, GPU, driver,
+torch and triton versions.
+
+On a CPU there is nothing meaningful to time (the kernel runs in Triton's
+interpreter): the script runs a short correctness check and says so.
+
+    python benchmarks/decode_attention.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8", "lmdeploy-int8", "int4", "q4_0", "lmdeploy-int4"]
+HQ, HKV, D = 32, 8, 128
+
+
+def make_cache(fmt, B, T, device):
+    from kvlab.kernels.decode_attention import from_qtensor
+
+    from kvlab.formats import get_format
+    from kvlab.quant import quantize
+
+    f = get_format(fmt)
+    # Quantize in slices to keep the fp32 staging tensor small at 128k context.
+    ks, vs = [], []
+    for b in range(B):
+        k = torch.randn(1, HKV, T, D, device=device, dtype=torch.bfloat16)
+        v = torch.randn(1, HKV, T, D, device=device, dtype=torch.bfloat16)
+        ks.append(quantize(k, f.key))
+        vs.append(quantize(v, f.value))
+        del k, v
+    cat = lambda qs: _cat(qs)
+    return from_qtensor(cat(ks)), from_qtensor(cat(vs))
+
+
+def _cat(qts):
+    from kvlab.quant import QTensor
+
+    a = qts[0]
+    if len(qts) == 1:
+        return a
+    per = a.scale is not None and a.scale.numel() > 1
+    return QTensor(torch.cat([q.data for q in qts]),
+                   torch.cat([q.scale for q in qts]) if per else a.scale,
+                   None if a.zero is None else (torch.cat([q.zero for q in qts]) if per else a.zero),
+                   (len(qts), *a.shape[1:]), a.quantizer, a.dtype)
+
+
+def gpu_info():
+    name = torch.cuda.get_device_name(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown"
+    from kvlab.budget import gpus
+
+    peak = None
+    for key, g in gpus().items():
+        if key.split("-")[0].lower() in name.lower():
+            peak = g.bandwidth_bytes_per_s
+    return name, driver, peak
+
+
+def run_cuda(quick: bool, out_dir: Path):
+    import triton
+    from kvlab.kernels.decode_attention import decode_attention
+    from triton.testing import do_bench
+
+    name, driver, peak = gpu_info()
+    free = torch.cuda.mem_get_info()[0]
+    batches, contexts = ([1, 16], [1024, 8192]) if quick else ([1, 16, 64], [1024, 8192, 32768, 131072])
+    rows = []
+    for B in batches:
+        for T in contexts:
+            bf16_bytes = 2 * B * HKV * T * D * 2
+            if 3 * bf16_bytes > free:  # baseline cache + a quantized copy + headroom
+                print(f"skip B={B} T={T}: {bf16_bytes / 1e9:.1f} GB of BF16 cache does not fit beside the rest")
+                continue
+            q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+            kb = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16)
+            vb = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16)
+            base_us = 1e3 * do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None], kb, vb, enable_gqa=True))
+            del kb, vb
+            lens = torch.full((B,), T, dtype=torch.int32, device="cuda")
+            for fmt in FORMATS:
+                k, v = make_cache(fmt, B, T, "cuda")
+                us = 1e3 * do_bench(lambda: decode_attention(q, k, v, lens))
+                read = k.nbytes + v.nbytes + 2 * q.numel() * 4
+                rows.append({"batch": B, "context": T, "format": fmt, "us": round(us, 2),
+                             "baseline_bf16_sdpa_us": round(base_us, 2), "speedup_vs_bf16": round(base_us / us, 3),
+                             "bytes_read": read, "bandwidth_gbs": round(read / us / 1e3, 1),
+                             "fraction_of_peak": None if peak is None else round(read / (us * 1e-6) / peak, 3)})
+                print(rows[-1], flush=True)
+                del k, v
+                torch.cuda.empty_cache()
+    doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": name, "driver": driver,
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D}, "peak_bandwidth_bytes_per_s": peak,
+           "baseline": "torch.nn.functional.scaled_dot_product_attention over a BF16 cache (enable_gqa)",
+           "timer": "triton.testing.do_bench (median of repeated runs)", "rows": rows}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"decode_attention_{name.replace(' ', '_')}_{doc['date'][:10]}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", path)
+    return doc
+
+
+def run_cpu():
+    from kvlab.kernels.decode_attention import decode_attention, decode_attention_reference
+
+    print("No CUDA device: timing Triton's interpreter would measure numpy, not the kernel.")
+    print("Running a short correctness check of every format instead (no numbers are recorded).")
+    lens = torch.tensor([64, 7], dtype=torch.int32)
+    for fmt in FORMATS:
+        k, v = make_cache(fmt, 2, 64, "cpu")
+        q = torch.randn(2, HQ, D)
+        err = (decode_attention(q, k, v, lens) - decode_attention_reference(q, k, v, lens)).abs().max().item()
+        print(f"  {fmt:<14} max |kernel - reference| = {err:.2e}")
+        assert err < 1e-4, f"{fmt}: kernel disagrees with the reference"
+    print("correct on CPU; run on a CUDA machine for timings")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a few small points only")
+    p.add_argument("--out", type=Path, default=ROOT / "data" / "results")
+    args = p.parse_args(argv)
+    if torch.cuda.is_available():
+        run_cuda(args.quick, args.out)
+    else:
+        run_cpu()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,96 @@
+"""Why the attention kernel must read the quantized cache itself: peak memory, measured.
+
+Two ways to attend over a quantized cache:
+
+* **unfused** — dequantize the whole cache into a full-precision tensor, then call
+  ``torch.nn.functional.scaled_dot_product_attention``. Simple, and it
+  temporarily re-creates the full-precision cache you quantized to get rid of.
+* **fused** — read codes tile by tile, dequantize each tile in registers (or, in
+  :func:`tiled_decode`, in a small temporary), and fold it into an online
+  softmax. Only one tile is ever expanded. :mod:`kvlab.kernels.decode_attention`
+  does this on the GPU; :func:`tiled_decode` is the same algorithm in torch, so
+  the memory effect can be measured on any device.
+
+:func:`peak_memory` measures the peak of torch's allocations during a call: with
+``torch.cuda.max_memory_allocated`` on a GPU, and from the allocation and free
+events of ``torch.profiler`` (``profile_memory=True``) on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def peak_memory(fn: Callable, *args, device: str | torch.device | None = None, **kwargs):
+    """``(result, peak_bytes)``: the most memory torch held at once during ``fn``, above what was held before."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn(*args, **kwargs)
+    live = peak = 0
+    # Allocations are charged to the op that made them (its *self* usage); frees appear as
+    # "[memory]" events with negative sizes. Replaying them in time order gives the live bytes.
+    for ev in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += ev.self_cpu_memory_usage
+        peak = max(peak, live)
+    return out, peak
+
+
+def unfused_decode(q: torch.Tensor, k, v, scaling: float | None = None, dtype=torch.float32) -> torch.Tensor:
+    """Dequantize all of K and V (``QuantizedKV``), then SDPA. ``q``: ``[batch, q_heads, head_dim]``."""
+    kf, vf = k.dequantize().to(dtype), v.dequantize().to(dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None].to(dtype), kf, vf, scale=scaling, enable_gqa=True)
+    return out[:, :, 0].float()
+
+
+def tiled_decode(q: torch.Tensor, k, v, scaling: float | None = None, block: int = 256) -> torch.Tensor:
+    """The fused kernel's algorithm in torch: dequantize ``block`` tokens at a time, online softmax.
+
+    Every sequence is taken to be the cache's full length.
+    """
+    from kvlab.kernels.decode_attention import QuantizedKV
+
+    if not isinstance(k, QuantizedKV) or not isinstance(v, QuantizedKV):
+        raise TypeError("k and v must be QuantizedKV")
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    B, Hq, D = q.shape
+    Hkv, T = k.codes.shape[1], k.codes.shape[2]
+    rep = Hq // Hkv
+    scaling = D**-0.5 if scaling is None else scaling
+    qg = q.float().reshape(B, Hkv, rep, D) * scaling
+    m = torch.full((B, Hkv, rep), -math.inf, device=q.device)
+    l = torch.zeros(B, Hkv, rep, device=q.device)  # noqa: E741
+    acc = torch.zeros(B, Hkv, rep, D, device=q.device)
+    for t0 in range(0, T, block):
+        kt = _slice(k, t0, t0 + block).dequantize()  # [B, Hkv, n, D]: one tile, not the cache
+        vt = _slice(v, t0, t0 + block).dequantize()
+        s = qg @ kt.transpose(-1, -2)  # [B, Hkv, rep, n]
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        acc = acc * alpha[..., None] + p @ vt
+        l = l * alpha + p.sum(-1)  # noqa: E741
+        m = m_new
+        del kt, vt, s, p
+    return (acc / l[..., None]).reshape(B, Hq, D)
+
+
+def _slice(kv, a: int, b: int):
+    from kvlab.kernels.decode_attention import QuantizedKV
+
+    per_token = kv.scale is not None and kv.scale_mode == "token"
+    cut = lambda t: None if t is None else (t[:, :, a:b] if per_token else t)
+    return QuantizedKV(kv.codes[:, :, a:b], cut(kv.scale), cut(kv.zero), kv.kind, kv.symmetric, kv.head_dim)

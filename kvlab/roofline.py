@@ -1,0 +1,63 @@
+"""Why decode attention is memory-bound, and what a smaller KV format should buy.
+
+Generating one token makes every layer read its whole cache once: each cached
+key is dotted with the new query (2 FLOPs per element) and each cached value is
+weighted and summed (2 FLOPs per element), for every query head sharing the KV
+head. So per byte of cache read, attention does about::
+
+    FLOPs / byte = 2 x (query heads per KV head) / (bytes per element)
+
+— a handful, against the hundreds a modern GPU can do per byte it reads (its
+"ridge point", peak FLOP/s divided by peak bytes/s). Decode attention is
+therefore bandwidth-bound, its time is about ``bytes read / bandwidth``, and a
+format with half the bytes should take about half the time — *if* the kernel
+reads that format directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import budget as B
+from .formats import get_format
+
+# Dense BF16 tensor-core peak (no sparsity), vendor datasheets.
+PEAK_BF16_FLOPS = {
+    "L4": 121e12, "A100-40GB": 312e12, "A100-80GB": 312e12, "H100-80GB": 989e12,
+    "H200": 989e12, "B200": 2250e12, "RTX-4090": 165e12,
+}
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    model: str
+    kv_format: str
+    batch: int
+    context: int
+    cache_bytes_per_layer: float  # read once per generated token
+    flops_per_layer: float
+    intensity: float  # FLOPs per byte of cache read
+    ridge: float | None  # the GPU's FLOPs per byte at which it stops being bandwidth-bound
+    seconds_per_layer: float | None  # bytes / bandwidth: the memory-bound time
+
+
+def decode_step(model, batch: int, context: int, kv_format="bf16", gpu: str | None = "H200") -> DecodeStep:
+    """Bytes, FLOPs and bandwidth-bound time of one decode step's attention, per layer."""
+    shape = B.load_shape(model)
+    layer = shape.layers[0]
+    if shape.attention == "mla":
+        raise ValueError("decode_step models per-head K/V attention; MLA reads a shared latent instead")
+    b = B.budget(model, batch, context, kv_format)
+    per_layer = b.cache_bytes / shape.num_layers
+    q_heads = shape.q_heads
+    flops = batch * context * layer.head_dim * 4 * q_heads  # 2 for q.k, 2 for p.v, per query head
+    g = B.get_gpu(gpu) if gpu else None
+    ridge = PEAK_BF16_FLOPS[g.name] / g.bandwidth_bytes_per_s if g else None
+    secs = per_layer / g.bandwidth_bytes_per_s if g else None
+    return DecodeStep(shape.name, get_format(kv_format).name, batch, context, per_layer, flops,
+                      flops / per_layer, ridge, secs)
+
+
+def predicted_speedup(model, context: int, kv_format: str, baseline: str = "bf16", batch: int = 1) -> float:
+    """Bandwidth-bound prediction: baseline bytes / format bytes for the same attention."""
+    return B.budget(model, batch, context, baseline).cache_bytes / B.budget(model, batch, context, kv_format).cache_bytes

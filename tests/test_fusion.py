@@ -1,0 +1,40 @@
+import pytest
+import torch
+
+from kvlab.formats import get_format
+from kvlab.fusion import peak_memory, tiled_decode, unfused_decode
+from kvlab.quant import quantize
+
+dk = pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
+
+
+def cache(fmt, B=2, H=2, T=600, D=64):
+    f = get_format(fmt)
+    return (dk.from_qtensor(quantize(torch.randn(B, H, T, D), f.key)),
+            dk.from_qtensor(quantize(torch.randn(B, H, T, D), f.value)))
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8", "int4", "fp8_e4m3"])
+def test_tiled_and_unfused_match_reference(fmt):
+    k, v = cache(fmt)
+    q = torch.randn(2, 8, 64)
+    ref = dk.decode_attention_reference(q, k, v, torch.tensor([600, 600]))
+    torch.testing.assert_close(tiled_decode(q, k, v, block=128), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(unfused_decode(q, k, v), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_peak_memory_sees_torch_allocations():
+    _, peak = peak_memory(lambda: torch.ones(1_000_000) * 2)
+    assert 8_000_000 <= peak < 12_000_000  # two 4 MB tensors alive at once
+    _, peak = peak_memory(lambda: [torch.ones(1_000_000) for _ in range(3)])
+    assert peak >= 12_000_000
+
+
+def test_fused_peak_is_a_tile_not_the_cache():
+    k, v = cache("int4", B=2, H=4, T=4096, D=64)
+    q = torch.randn(2, 16, 64)
+    _, unfused = peak_memory(unfused_decode, q, k, v)
+    _, fused = peak_memory(tiled_decode, q, k, v, block=256)
+    full_precision_cache = 2 * 2 * 4 * 4096 * 64 * 4
+    assert unfused >= full_precision_cache
+    assert fused < full_precision_cache / 8

@@ -1,0 +1,20 @@
+import pytest
+
+from kvlab import roofline
+
+
+def test_llama8b_decode_is_bandwidth_bound():
+    s = roofline.decode_step("llama-3.1-8b", 1, 32768, "bf16", gpu="H200")
+    assert s.cache_bytes_per_layer == 32768 * 2 * 8 * 128 * 2
+    assert s.intensity == pytest.approx(4.0)  # 2 x (32 / 8 query heads per KV head) / 2 bytes
+    assert s.ridge > 100 * 1 and s.intensity < s.ridge
+
+
+def test_predicted_speedup_is_the_bytes_ratio():
+    assert roofline.predicted_speedup("llama-3.1-8b", 32768, "fp8") == pytest.approx(2.0, rel=1e-6)
+    assert roofline.predicted_speedup("llama-3.1-8b", 32768, "int4") == pytest.approx(16 / 4.5)
+
+
+def test_mla_is_rejected_with_a_reason():
+    with pytest.raises(ValueError, match="MLA"):
+        roofline.decode_step("deepseek-v3", 1, 1000)
