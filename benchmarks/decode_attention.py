@@ -42,7 +42,7 @@ def make_cache(fmt, B, T, device):
     f = get_format(fmt)
     # Quantize in slices to keep the fp32 staging tensor small at 128k context.
     ks, vs = [], []
-    for b in range(B):
+    for _ in range(B):
         k = torch.randn(1, HKV, T, D, device=device, dtype=torch.bfloat16)
         v = torch.randn(1, HKV, T, D, device=device, dtype=torch.bfloat16)
         ks.append(quantize(k, f.key))
@@ -99,13 +99,13 @@ def run_cuda(quick: bool, out_dir: Path):
             q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
             kb = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16)
             vb = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16)
-            base_us = 1e3 * do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+            base_us = 1e3 * do_bench(lambda q=q, kb=kb, vb=vb: torch.nn.functional.scaled_dot_product_attention(
                 q[:, :, None], kb, vb, enable_gqa=True))
             del kb, vb
             lens = torch.full((B,), T, dtype=torch.int32, device="cuda")
             for fmt in FORMATS:
                 k, v = make_cache(fmt, B, T, "cuda")
-                us = 1e3 * do_bench(lambda: decode_attention(q, k, v, lens))
+                us = 1e3 * do_bench(lambda q=q, k=k, v=v, lens=lens: decode_attention(q, k, v, lens))
                 read = k.nbytes + v.nbytes + 2 * q.numel() * 4
                 rows.append({"batch": B, "context": T, "format": fmt, "us": round(us, 2),
                              "baseline_bf16_sdpa_us": round(base_us, 2), "speedup_vs_bf16": round(base_us / us, 3),
