@@ -97,8 +97,9 @@ class KVQuantLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, fmt: str | KVFormat = "fp16", quantize_prefill: bool = True):
+    def __init__(self, fmt: str | KVFormat = "fp16", quantize_prefill: bool = True, fused: bool = False):
         super().__init__()
+        self.fused = fused  # decode steps attend through the kernel: skip dequantizing the cache
         self.fmt = get_format(fmt)
         self.quantize_prefill = quantize_prefill
         self.cumulative_length = 0
@@ -130,8 +131,8 @@ class KVQuantLayer(DynamicLayer):
         self.res_k = torch.cat([self.res_k, k], dim=-2)
         self.res_v = torch.cat([self.res_v, v], dim=-2)
         self._flush()
-        if first and not self.quantize_prefill:
-            return key_states, value_states
+        if (first and not self.quantize_prefill) or (self.fused and key_states.shape[-2] == 1 and not first):
+            return key_states, value_states  # fused decode: attend() reads the stored codes instead
         return self._gather()
 
     def _flush(self) -> None:
@@ -158,10 +159,37 @@ class KVQuantLayer(DynamicLayer):
         return self.cumulative_length + query_length, 0
 
     def reset(self) -> None:
-        self.__init__(self.fmt, self.quantize_prefill)
+        self.__init__(self.fmt, self.quantize_prefill, self.fused)
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("KVQuantCache does not support beam search; use greedy or sampling")
+
+    def attend(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Decode attention of ``q`` ``[batch, q_heads, head_dim]`` over everything this layer holds."""
+        from .kernels.decode_attention import decode_attention, from_qtensor
+
+        parts = []
+        if self.k_store.qt is not None:
+            kq, vq = from_qtensor(self.k_store.qt), from_qtensor(self.v_store.qt)
+            qr = q
+            if self.fmt.rotate:  # stored K' = K H, so q.k = (q H).(K H); V' = V H, undone on the output
+                H = hadamard(q.shape[-1], device=q.device)
+                qr = (q.float() @ H).to(q.dtype)
+            lens = torch.full((q.shape[0],), self.k_store.tokens, dtype=torch.int32, device=q.device)
+            out, lse = decode_attention(qr, kq, vq, lens, scaling, return_lse=True)
+            if self.fmt.rotate:
+                out = out @ H.T
+            parts.append((out, lse))
+        k_full = torch.cat([self.sink_k, self.res_k], dim=-2).float()
+        if k_full.shape[-2]:
+            v_full = torch.cat([self.sink_v, self.res_v], dim=-2).float()
+            rep = q.shape[1] // k_full.shape[1]
+            s = torch.einsum("bhd,bhnd->bhn", q.float(), k_full.repeat_interleave(rep, 1)) * scaling
+            lse = torch.logsumexp(s, dim=-1)
+            parts.append((torch.einsum("bhn,bhnd->bhd", torch.softmax(s, -1), v_full.repeat_interleave(rep, 1)), lse))
+        lses = torch.stack([lse for _, lse in parts])  # merge the pieces, as the split kernel's merge does
+        w = torch.softmax(lses, dim=0)
+        return sum(w_i[..., None] * o for w_i, (o, _) in zip(w, parts))
 
     @property
     def nbytes(self) -> int:
@@ -184,8 +212,9 @@ class KVQuantCache(Cache):
         self.fmt = get_format(fmt)
         if not isinstance(quantize_prefill, bool):
             raise TypeError(f"quantize_prefill must be a bool, got {quantize_prefill!r}")
+        self._fused = False
         if num_layers is None:
-            super().__init__(layer_class_to_replicate=lambda: KVQuantLayer(self.fmt, quantize_prefill))
+            super().__init__(layer_class_to_replicate=lambda: KVQuantLayer(self.fmt, quantize_prefill, self._fused))
         else:
             if not isinstance(num_layers, int) or num_layers < 1:
                 raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
@@ -194,3 +223,76 @@ class KVQuantCache(Cache):
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def fused(self) -> bool:
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused = bool(on)
+        for layer in self.layers:
+            layer.fused = self._fused
+
+
+# --------------------------------------------------------------------------- fused decode
+
+
+_FUSED = "kvlab_fused"
+_active: KVQuantCache | None = None
+
+
+class fused_attention:
+    """Context manager: decode steps through ``cache`` use the Triton kernel on the quantized body.
+
+    >>> with fused_attention(model, cache):
+    ...     model.generate(ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
+
+    Prefill (several query tokens) attends over the dequantized cache as usual;
+    each decode step (one query token) calls :func:`kvlab.kernels.decode_attention`
+    on the codes and scales the cache holds, and plain torch on the few
+    full-precision sink and residual tokens, merging the two by log-sum-exp.
+    Needs unpadded batches, and a format the kernel reads (per-tensor,
+    per-token or channel-grouped scales; not KIVI's token-grouped keys).
+    """
+
+    def __init__(self, model, cache: KVQuantCache):
+        from .kernels.decode_attention import KINDS  # noqa: F401  (fails early without triton)
+
+        if not isinstance(cache, KVQuantCache):
+            raise TypeError(f"cache must be a KVQuantCache, got {type(cache).__name__}")
+        for q in (cache.fmt.key, cache.fmt.value):
+            if q.granularity == "group" and q.group_axis == "token" or q.granularity in ("channel", "head"):
+                raise ValueError(f"format {cache.fmt.name!r} has {q.granularity} scales, which the kernel does not read")
+            if q.kind == "int" and q.bits not in (4, 8):
+                raise ValueError(f"the kernel reads INT8 and INT4, not INT{q.bits}")
+        self.model, self.cache = model, cache
+
+    def __enter__(self):
+        global _active
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(_FUSED, _fused_attention_fn)
+        self._old = self.model.config._attn_implementation
+        self.model.set_attn_implementation(_FUSED)
+        self.cache.fused = True
+        _active = self.cache
+        return self
+
+    def __exit__(self, *exc):
+        global _active
+        _active = None
+        self.cache.fused = False
+        self.model.set_attn_implementation(self._old)
+        return False
+
+
+def _fused_attention_fn(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _active is None or query.shape[-2] != 1 or _active.layers[module.layer_idx].get_seq_length() <= 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    out = _active.layers[module.layer_idx].attend(query[:, :, 0], scaling or query.shape[-1] ** -0.5)
+    return out[:, None].to(query.dtype), None  # [batch, 1 query token, heads, head_dim]
+
+

@@ -73,3 +73,26 @@ def test_bad_arguments():
         KVQuantCache("int8", num_layers=0)
     with pytest.raises(TypeError, match="quantize_prefill"):
         KVQuantCache("int8", quantize_prefill="yes")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8_e4m3", "hf-int4", "int8"])
+def test_generation_through_the_fused_kernel(tiny_llama, fmt):
+    pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
+    from kvlab.cache import fused_attention
+
+    ids = torch.randint(3, 300, (2, 50))
+    plain = greedy(tiny_llama, ids, KVQuantCache(fmt), n=6)
+    cache = KVQuantCache(fmt)
+    with fused_attention(tiny_llama, cache):
+        fused = greedy(tiny_llama, ids, cache, n=6)
+        assert tiny_llama.config._attn_implementation == "kvlab_fused"
+    assert tiny_llama.config._attn_implementation == "sdpa"
+    assert torch.equal(plain, fused)
+
+
+def test_fused_rejects_formats_the_kernel_cannot_read(tiny_llama):
+    pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
+    from kvlab.cache import fused_attention
+
+    with pytest.raises(ValueError, match="kernel does not read"):
+        fused_attention(tiny_llama, KVQuantCache("kivi-4"))
