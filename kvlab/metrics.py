@@ -87,3 +87,40 @@ def attention_errors(q, k, v, k_hat, v_hat, scaling=None, per=()) -> dict[str, t
     odims = _reduce_dims(per)
     rel = torch.sqrt(((o - o_hat) ** 2).sum(dim=odims) / (o**2).sum(dim=odims))
     return {"logit_rmse": logit_rmse, "output_rel_error": rel}
+
+
+# --------------------------------------------------------------------------- outliers and format sweeps
+
+
+def absmax(x: torch.Tensor, per: str) -> torch.Tensor:
+    """Largest magnitude per ``"channel"`` (over tokens) or per ``"token"`` (over channels), heads kept."""
+    if per not in ("channel", "token"):
+        raise ValueError(f"per must be 'channel' or 'token', got {per!r}")
+    return x.abs().amax(dim=-2 if per == "channel" else -1)
+
+
+def outlier_ratio(x: torch.Tensor, per: str = "channel") -> float:
+    """How much the largest channel (or token) stands out: max of absmax / median of absmax, per head, averaged."""
+    a = absmax(x, per).float().flatten(0, -2)  # [batch*heads, channels or tokens]
+    return (a.amax(-1) / a.median(-1).values.clamp_min(1e-12)).mean().item()
+
+
+def format_errors(keys, values, queries=None, formats=("fp8_e4m3", "int8", "int4"), scaling=None):
+    """Per-layer error rows for each format: SNR (dB) of K and V, and attention errors if queries are given.
+
+    ``keys``, ``values`` (and ``queries``) are lists with one ``[batch, heads, tokens, head_dim]`` tensor per
+    layer, e.g. from :func:`kvlab.models.capture`.
+    """
+    from .quant import quantize_kv
+
+    rows = []
+    for fmt in formats:
+        for i, (k, v) in enumerate(zip(keys, values)):
+            kh, vh = quantize_kv(k, v, fmt)
+            row = {"format": fmt if isinstance(fmt, str) else fmt.name, "layer": i,
+                   "k_snr_db": snr_db(k, kh).item(), "v_snr_db": snr_db(v, vh).item()}
+            if queries is not None:
+                e = attention_errors(queries[i], k, v, kh, vh, scaling[i] if isinstance(scaling, list) else scaling)
+                row |= {k_: t.item() for k_, t in e.items()}
+            rows.append(row)
+    return rows
