@@ -10,6 +10,13 @@ retrieve) and by the evals (which measure whether a KV format lets it):
 * **key-value lookup** — many ``name → number`` facts scattered through a
   haystack, then several questions. Training uses it because many answers per
   sequence give a tiny model enough signal to learn copying from context.
+* **variable tracking** (multi-hop) — a chain of links ``a -> b -> c -> number``
+  scattered through the haystack; the model must name every hop in order, so
+  one wrong lookup derails the rest. After RULER's variable-tracking task
+  (Hsieh et al. 2024, arXiv:2404.06654), simplified.
+
+The passkey wording avoids the word "is" everywhere but at the question's end
+and the needle, so the lookup is one unambiguous match: a small model learns it.
 
 Every piece of text starts with a space or a newline, so concatenating the
 token lists of pieces gives the same ids as tokenizing the joined string
@@ -21,16 +28,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-INTRO = "\nA pass key is hidden somewhere in the long text below. Find it and keep it in mind."
+INTRO = "\nA special number hides somewhere in the long text below. Find it and remember it."
 FILLER = (
-    " The grass is green.",
-    " The sky is blue.",
-    " The sun is yellow.",
+    " The grass grows green.",
+    " The sky looks blue.",
+    " The sun shines yellow.",
     " Here we go.",
     " There and back again.",
 )
-NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = " What is the pass key? The pass key is"
+NEEDLE = " The pass key is {key}. Remember it."
+QUESTION = " Which number was hidden? The pass key is"
 
 NAMES = (
     "apple amber anchor arrow aspen badge basil beacon birch bison breeze bronze cabin cactus "
@@ -124,10 +131,11 @@ def kv_lookup(
     """
     names = rng.sample(NAMES, n_pairs)
     keys = [random_key(rng) for _ in names]
-    facts = [_encode(tok, f" The code for {n} is {k}.") for n, k in zip(names, keys)]
+    # The query ends with the name, so finding the fact is a match on one token (associative recall).
+    facts = [_encode(tok, f" The code of {n} {k}.") for n, k in zip(names, keys)]
     queries = []
     for j in rng.sample(range(n_pairs), min(n_queries, n_pairs)):
-        q = _encode(tok, f" What is the code for {names[j]}? The code for {names[j]} is")
+        q = _encode(tok, f" Recall the code of {names[j]}")
         a = _encode(tok, " " + keys[j] + ".")
         queries.append((q, a))
     q_len = sum(len(q) + len(a) for q, a in queries)
@@ -151,3 +159,39 @@ def kv_lookup(
         ids += q + a
         weights += [0.0] * len(q) + [1.0] * len(a)
     return ids[:length], weights[:length]
+
+
+def variable_chain(tok, length: int, depth_spread: float, rng: random.Random, hops: int = 2,
+                   key: str | None = None) -> Example:
+    """A multi-hop prompt of exactly ``length`` tokens: ``hops`` links then a value, scattered.
+
+    Facts read ``" Link a b."`` (a points to b) and ``" Value c 12345."``; the
+    question ``" Trace a:"`` must be answered ``" b c 12345."``. The facts are
+    placed in random order at random depths within the first ``depth_spread``
+    fraction of the haystack.
+    """
+    if hops < 1:
+        raise ValueError(f"hops must be >= 1, got {hops}")
+    if not 0.0 < depth_spread <= 1.0:
+        raise ValueError(f"depth_spread must be in (0, 1], got {depth_spread!r}")
+    key = key or random_key(rng)
+    names = rng.sample(NAMES, hops + 1)
+    facts = [_encode(tok, f" Link {a} {b}.") for a, b in zip(names, names[1:])]
+    facts.append(_encode(tok, f" Value {names[-1]} {key}."))
+    rng.shuffle(facts)
+    intro = _encode(tok, "\nFollow the links in the text below from the first name to its number.")
+    question = _encode(tok, f" Trace {names[0]}:")
+    answer_text = "".join(f" {n}" for n in names[1:]) + f" {key}."
+    answer = _encode(tok, answer_text)
+    n_fill = length - len(intro) - sum(map(len, facts)) - len(question)
+    if n_fill < 0:
+        raise ValueError(f"length={length} is too short for a {hops}-hop chain")
+    hay = filler_tokens(tok, n_fill)
+    cuts = sorted(rng.randrange(0, int(depth_spread * n_fill) + 1) for _ in facts)
+    ids, prev = list(intro), 0
+    for c, f in zip(cuts, facts):
+        ids += hay[prev:c] + f
+        prev = c
+    ids += hay[prev:] + question
+    assert len(ids) == length
+    return Example(ids, answer, answer_text.strip(), meta={"hops": hops, "names": names})

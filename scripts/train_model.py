@@ -29,6 +29,7 @@ import json
 import math
 import platform
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from kvlab import tasks  # noqa: E402
 
 # (sequence length, batch size, steps) per stage; tokens per step stay about 8-16k.
-STAGES = [(128, 32, 500), (256, 32, 600), (512, 16, 500), (1024, 8, 300), (2048, 4, 150), (4096, 2, 100)]
+STAGES = [(128, 32, 400), (256, 16, 500), (512, 8, 400), (1024, 4, 300), (2048, 2, 200), (4096, 1, 150)]
 QUICK = [(128, 8, 20), (256, 4, 10)]
 
 
@@ -61,7 +62,8 @@ def build_tokenizer(text: str, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     synthetic = " ".join(tasks.FILLER) + tasks.INTRO + tasks.NEEDLE + tasks.QUESTION
-    synthetic += " ".join(f" The code for {n} is 1. What is the code for {n}?" for n in tasks.NAMES)
+    synthetic += " ".join(f" The code of {n} 1. Recall the code of {n} Link {n} Value {n} Trace {n}:"
+                          for n in tasks.NAMES)
     tok.train_from_iterator([text, synthetic * 50], trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
@@ -90,32 +92,45 @@ def build_model(vocab_size: int, max_pos: int):
 
 
 def make_batch(tok, corpus_ids, length, batch, rng):
-    """Half the rows are plain LM on prose; the rest are retrieval sequences."""
+    """A mix of rows, each with per-token loss weights (answers up-weighted).
+
+    * prose: plain language modelling on the corpus;
+    * copy: a random token string repeated — the quickest way for a small model
+      to grow induction heads (attend to the token after the last occurrence of
+      the current one), which every retrieval task below relies on;
+    * facts in prose / in filler: many ``name -> code`` facts, several queries;
+    * passkey and multi-hop prompts in the exact format the evals use.
+    """
     rows, weights = [], []
     for b in range(batch):
-        kind = b % 4
-        if kind == 0:  # language modelling on real text
+        kind = b % 8
+        if kind in (0, 1):  # language modelling on real text
             s = rng.randrange(0, len(corpus_ids) - length - 1)
             rows.append(corpus_ids[s : s + length])
             weights.append([1.0] * length)
-        elif kind == 1:  # facts in prose: LM on the prose, retrieval on the answers
-            n_pairs = max(2, min(16, length // 48))
-            ids, w = tasks.kv_lookup(tok, length, rng, n_pairs, n_pairs // 2, haystack=corpus_ids)
+        elif kind == 2:  # copy
+            half = [rng.randrange(3, len(tok)) for _ in range(length // 2)]
+            ids = (half * 2 + half)[:length]
+            rows.append(ids)
+            weights.append([0.0] * (length // 2) + [1.0] * (length - length // 2))
+        elif kind in (3, 4):  # facts in prose (3) or filler (4)
+            n_pairs = max(2, min(24, length // 24))
+            ids, w = tasks.kv_lookup(tok, length, rng, n_pairs, max(1, n_pairs // 2),
+                                     haystack=corpus_ids if kind == 3 else None)
             rows.append(ids)
             weights.append([5.0 * x + 1.0 for x in w])
-        elif kind == 2:  # facts in filler
-            n_pairs = max(2, min(16, length // 48))
-            ids, w = tasks.kv_lookup(tok, length, rng, n_pairs, n_pairs // 2)
-            rows.append(ids)
-            weights.append([5.0 * x + 0.05 for x in w])
-        else:  # the passkey prompt itself
+        elif kind in (5, 6):  # the passkey prompt itself
             ex = tasks.passkey(tok, length - 6, rng.random(), rng)  # answer: space + 5 digits
-            ids = ex.input_ids + ex.answer_ids
-            rows.append(ids)
-            weights.append([0.05] * len(ex.input_ids) + [5.0] * len(ex.answer_ids))
-    x = torch.tensor(rows)
-    w = torch.tensor(weights)
-    return x, w
+            rows.append(ex.input_ids + ex.answer_ids)
+            weights.append([0.2] * len(ex.input_ids) + [5.0] * len(ex.answer_ids))
+        else:  # multi-hop chain
+            ex = tasks.variable_chain(tok, length - 12, rng.uniform(0.3, 1.0), rng, hops=rng.choice([1, 2]))
+            ids = (ex.input_ids + ex.answer_ids)[:length]
+            w = [0.2] * len(ex.input_ids) + [5.0] * len(ex.answer_ids)
+            pad = length - len(ids)
+            rows.append(ids + [2] * pad)
+            weights.append(w[:length] + [0.0] * pad)
+    return torch.tensor(rows), torch.tensor(weights)
 
 
 def weighted_loss(model, x, w):
@@ -189,7 +204,7 @@ def main(argv=None):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / total)))
     )
-    curve, step = [], 0
+    curve, step, stage_log = [], 0, []
     for length, batch, steps in stages:
         for _ in range(steps):
             x, w = make_batch(tok, corpus_ids, length, batch, rng)
@@ -204,8 +219,13 @@ def main(argv=None):
                 curve.append({"step": step, "seq_len": length, "loss": round(loss.item(), 4),
                               "elapsed_s": round(time.time() - t0, 1)})
                 print(curve[-1], flush=True)
-        acc = passkey_accuracy(model, tok, length, 10)
+        acc = passkey_accuracy(model, tok, length, 20)
         print(f"stage {length}: passkey@{length} = {acc:.2f}  ({time.time() - t0:.0f}s)", flush=True)
+        stage_log.append({"seq_len": length, "step": step, "passkey_exact_match": acc})
+        if not args.quick:  # a checkpoint per stage, so a long run can be inspected or resumed
+            (args.out / "checkpoint").mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(args.out / "checkpoint", safe_serialization=True)
+            tok.save_pretrained(args.out / "checkpoint")
 
     model = model.cpu().eval()
     metrics = {
@@ -216,6 +236,7 @@ def main(argv=None):
     }
     print(metrics)
     args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.out / "checkpoint", ignore_errors=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)
     record = {
@@ -230,6 +251,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "wall_seconds": round(time.time() - t0, 1),
         "curve": curve,
+        "stage_evals": stage_log,
         "metrics": metrics,
     }
     (args.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
