@@ -19,7 +19,7 @@ def test_passkey_exact_length_and_depth(length, depth):
     ex = tasks.passkey(tok, length, depth, random.Random(0), key="12345")
     assert len(ex.input_ids) == length
     text = "".join(map(chr, ex.input_ids))
-    assert text.count("12345") == 2 and text.endswith(tasks.QUESTION)
+    assert text.count("12345") == 1 and text.endswith(tasks.QUESTION)
     assert "".join(map(chr, ex.answer_ids)) == " 12345"
     assert text[ex.needle_start:].startswith(tasks.NEEDLE.format(key="12345"))
     hay = length - len(tasks.INTRO) - len(tasks.NEEDLE.format(key="12345")) - len(tasks.QUESTION)
@@ -40,3 +40,15 @@ def test_kv_lookup_weights_mark_answers():
     marked = "".join(chr(i) for i, x in zip(ids, w) if x)
     assert len(marked) == 2 * 7  # " 12345." twice
     assert all(c.isdigit() or c in " ." for c in marked)
+
+
+def test_variable_chain_exact_length_and_answer():
+    tok = CharTok()
+    ex = tasks.variable_chain(tok, 800, 0.5, random.Random(3), hops=2, key="55555")
+    assert len(ex.input_ids) == 800
+    a, b, c = ex.meta["names"]
+    text = "".join(map(chr, ex.input_ids))
+    assert f" Link {a} {b}." in text and f" Link {b} {c}." in text and f" Value {c} 55555." in text
+    assert text.endswith(f" Trace {a}:") and ex.answer == f"{b} {c} 55555."
+    with pytest.raises(ValueError, match="hops"):
+        tasks.variable_chain(tok, 800, 0.5, random.Random(3), hops=0)
