@@ -3,6 +3,7 @@
     kvlab budget --model llama-3.1-70b --batch 100 --context 32768 --kv-dtype fp8 --gpu H200 --weights-dtype fp8
     kvlab budget --model path/to/config.json --batch 1 --context 8192 --kv-dtype int4 --json
     kvlab formats            # the KV formats kvlab knows, with their bits per element
+    kvlab niah --kv-format int4 --lengths 512,2048 --depths 0,0.5,1 --trials 5 --json
 
 Bad input exits with status 2 and one line that names the argument.
 """
@@ -113,6 +114,56 @@ def cmd_formats(args) -> int:
     return 0
 
 
+def _int_list(name):
+    def parse(text):
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
+        if not vals or min(vals) < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be positive integers, got {text!r}")
+        return vals
+
+    return parse
+
+
+def _depth_list(text):
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--depths must be comma-separated numbers, got {text!r}") from None
+    if not vals or any(not 0 <= v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"--depths must lie in [0, 1], got {text!r}")
+    return vals
+
+
+def cmd_niah(args) -> int:
+    from . import evals
+    from .models import load_model
+
+    try:
+        model, tok = load_model(args.model)
+        if args.task == "passkey":
+            res = evals.passkey_sweep(model, tok, args.kv_format, args.lengths, args.depths, args.trials,
+                                      seed=args.seed, progress=not args.json)
+        else:
+            res = evals.chain_sweep(model, tok, args.kv_format, args.lengths, args.depths or [1.0],
+                                    hops=args.hops, trials=args.trials, seed=args.seed, progress=not args.json)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        res.save(args.out)
+    if args.json:
+        print(json.dumps({"task": res.task, "model": res.model, "kv_format": res.kv_format,
+                          "accuracy": res.accuracy(), "rows": res.rows, "meta": res.meta}, indent=1))
+    else:
+        print(f"{res.task} with {res.kv_format}: exact match {res.accuracy():.1%} over {len(res.rows)} cells")
+        for n in res.lengths:
+            print(f"  {n:>6} tokens: " + "  ".join(f"d={d:.2f} {res.accuracy(n, d):4.0%}" for d in res.depths))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvlab", description="Measure KV-cache quantization.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -129,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--memory-utilization", default=0.9, type=_fraction, help="fraction of GPU memory usable")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_budget)
+
+    n = sub.add_parser("niah", help="needle-in-a-haystack (or multi-hop) exact match through a KV format")
+    n.add_argument("--kv-format", required=True, type=_kv_format, help="KV format (see `kvlab formats`)")
+    n.add_argument("--model", default=None, help="model folder or hub name (default: the shipped kvlab-tiny)")
+    n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
+    n.add_argument("--depths", type=_depth_list, default=[0.0, 0.5, 1.0], help="e.g. 0,0.5,1")
+    n.add_argument("--trials", type=_int("--trials", 1), default=5, help="prompts per cell")
+    n.add_argument("--task", choices=["passkey", "chain"], default="passkey")
+    n.add_argument("--hops", type=_int("--hops", 1), default=2, help="links to follow (chain task)")
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--out", help="save the result as JSON to this file")
+    n.add_argument("--json", action="store_true", help="print one JSON object")
+    n.set_defaults(func=cmd_niah)
 
     f = sub.add_parser("formats", help="list KV formats and their bits per element")
     f.add_argument("--json", action="store_true")

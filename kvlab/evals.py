@@ -168,7 +168,7 @@ def perplexity(model, tok, fmt="bf16", text: str | None = None, window: int = 51
         raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")
     dev = next(model.parameters()).device
     nll, count = 0.0, 0
-    for s in range(0, min(len(ids) - window - 1, max_windows * window) + 1, window):
+    for s in range(0, len(ids) - window, window)[:max_windows]:
         x = torch.tensor([ids[s : s + window]], device=dev)
         logits = model(x, past_key_values=KVQuantCache(fmt), use_cache=True).logits[0, :-1].float()
         nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()

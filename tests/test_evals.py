@@ -1,0 +1,97 @@
+import math
+import re
+
+import pytest
+import torch
+
+from kvlab import evals, tasks
+
+
+class CharTok:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+class Oracle(torch.nn.Module):
+    """Reads the prompt like a perfect retriever and answers with the key (``wrong`` flips a digit)."""
+
+    def __init__(self, wrong=False):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("C", (), {"_name_or_path": "oracle", "model_type": "oracle"})()
+        self.wrong = wrong
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        B = input_ids.shape[0]
+        if not hasattr(past_key_values, "plan"):
+            past_key_values.plan = []
+            for row in input_ids.tolist():
+                key = re.search(r"pass key is (\d{5})", "".join(map(chr, row))).group(1)
+                if self.wrong:
+                    key = key[:-1] + str((int(key[-1]) + 1) % 10)
+                past_key_values.plan.append([ord(c) for c in " " + key])
+            past_key_values.step = 0
+        logits = torch.zeros(B, input_ids.shape[1], 300)
+        for b in range(B):
+            logits[b, -1, past_key_values.plan[b][past_key_values.step]] = 1
+        past_key_values.step += 1
+        return type("O", (), {"logits": logits})()
+
+
+def test_exact_match_scoring_with_an_oracle():
+    res = evals.passkey_sweep(Oracle(), CharTok(), "fp16", lengths=[300, 400], depths=[0.0, 1.0], trials=3,
+                              progress=False)
+    assert res.accuracy() == 1.0 and len(res.rows) == 4
+    bad = evals.passkey_sweep(Oracle(wrong=True), CharTok(), "fp16", lengths=[300], depths=[0.5], trials=3,
+                              progress=False)
+    assert bad.accuracy() == 0.0
+
+
+def test_sweep_runs_a_real_model_and_round_trips(tiny_llama, tmp_path):
+    res = evals.passkey_sweep(tiny_llama, CharTok(), "int4", lengths=[200], depths=[0.0, 1.0], trials=2,
+                              progress=False)
+    assert len(res.rows) == 2 and all(r["trials"] == 2 for r in res.rows)
+    assert 0.0 <= res.accuracy() <= 1.0
+    res.save(tmp_path / "r.json")
+    back = evals.EvalResult.load(tmp_path / "r.json")
+    assert back == res
+    assert back.figure().data[0].z is not None
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an EvalResult"):
+        evals.EvalResult.load(tmp_path / "bad.json")
+
+
+def test_chain_sweep_runs(tiny_llama):
+    res = evals.chain_sweep(tiny_llama, CharTok(), "int8", lengths=[300], depths=[1.0], hops=2, trials=2,
+                            progress=False)
+    assert res.task == "chain2" and res.rows[0]["trials"] == 2
+
+
+def test_perplexity_fp32_cache_equals_plain_forward(tiny_llama):
+    text = "".join(tasks.FILLER) * 20
+    ppl = evals.perplexity(tiny_llama, CharTok(), "fp32", text=text, window=64, max_windows=2)
+    ids = torch.tensor([CharTok().encode(text)[:64]])
+    with torch.no_grad():
+        loss = tiny_llama(ids, labels=ids).loss.item()
+    ids2 = torch.tensor([CharTok().encode(text)[64:128]])
+    with torch.no_grad():
+        loss2 = tiny_llama(ids2, labels=ids2).loss.item()
+    assert ppl == pytest.approx(math.exp((loss + loss2) / 2), rel=1e-4)
+
+
+def test_teacher_comparison_against_itself_is_perfect(tiny_llama):
+    out = evals.teacher_comparison(tiny_llama, CharTok(), "fp32", ["The sky looks blue."], max_new_tokens=8)
+    assert out["kl"] == pytest.approx(0.0, abs=1e-9) and out["top1_agreement"] == 1.0
+    assert out["first_divergence"] == [8]
+    noisy = evals.teacher_comparison(tiny_llama, CharTok(), "kivi-2", ["The sky looks blue." * 12], max_new_tokens=8)
+    assert noisy["kl"] >= 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(lengths=[0]), "lengths"), (dict(depths=[1.5]), "depths"), (dict(trials=0), "trials"),
+    (dict(fmt="int3"), "unknown KV format"),
+])
+def test_bad_arguments(tiny_llama, kw, match):
+    args = dict(fmt="int8", lengths=[200], depths=[0.5], trials=1) | kw
+    with pytest.raises(ValueError, match=match):
+        evals.passkey_sweep(tiny_llama, CharTok(), progress=False, **args)
