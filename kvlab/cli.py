@@ -4,6 +4,7 @@
     kvlab budget --model path/to/config.json --batch 1 --context 8192 --kv-dtype int4 --json
     kvlab formats            # the KV formats kvlab knows, with their bits per element
     kvlab niah --kv-format int4 --lengths 512,2048 --depths 0,0.5,1 --trials 5 --json
+    kvlab serve-sim --workload rag --model llama-3.1-8b --gpu L4 --kv-dtype fp8 --json
 
 Bad input exits with status 2 and one line that names the argument.
 """
@@ -164,6 +165,45 @@ def cmd_niah(args) -> int:
     return 0
 
 
+def cmd_serve_sim(args) -> int:
+    from . import serving as S
+
+    try:
+        if args.trace:
+            reqs = S.load_trace(args.trace, block_size=args.block_size or 512, limit=args.requests)
+            block = args.block_size or 512
+        else:
+            block = args.block_size or 16
+            kw = {"n": args.requests} if args.requests and args.workload != "chat" else {}
+            if args.requests and args.workload == "chat":
+                kw = {"conversations": max(1, args.requests // 5)}
+            reqs = S.WORKLOADS[args.workload](block_size=block, seed=args.seed, **kw)
+        res = S.simulate(reqs, args.model, args.gpu, args.kv_dtype, weights_dtype=args.weights_dtype,
+                         block_size=block, memory_utilization=args.memory_utilization)
+    except (ValueError, OSError) as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
+    out = res.summary() | {"cost_per_million_output_tokens": res.cost_per_million(args.gpu_hour_usd),
+                           "gpu_hour_usd": args.gpu_hour_usd}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        width = max(map(len, out))
+        for k, v in out.items():
+            print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    return 0
+
+
+def _positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvlab", description="Measure KV-cache quantization.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -193,6 +233,23 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--out", help="save the result as JSON to this file")
     n.add_argument("--json", action="store_true", help="print one JSON object")
     n.set_defaults(func=cmd_niah)
+
+    s = sub.add_parser("serve-sim", help="replay a workload or trace through one replica's prefix-cached KV pool")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workload", choices=["system-prompt", "chat", "rag", "few-shot"])
+    src.add_argument("--trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    s.add_argument("--model", default="llama-3.1-8b", help="preset name or config.json path")
+    s.add_argument("--gpu", default="H100-80GB")
+    s.add_argument("--kv-dtype", default="bf16", type=_kv_format)
+    s.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
+    s.add_argument("--block-size", type=_int("--block-size", 1), default=None,
+                   help="tokens per block (default 16; 512 for traces)")
+    s.add_argument("--requests", type=_int("--requests", 1), default=None, help="how many requests to replay")
+    s.add_argument("--memory-utilization", default=0.9, type=_fraction)
+    s.add_argument("--gpu-hour-usd", default=3.0, type=_positive_float, help="price of one GPU-hour")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_serve_sim)
 
     f = sub.add_parser("formats", help="list KV formats and their bits per element")
     f.add_argument("--json", action="store_true")

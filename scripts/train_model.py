@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from kvlab import tasks  # noqa: E402
 
 # (sequence length, batch size, steps) per stage; tokens per step stay about 8-16k.
-STAGES = [(128, 32, 400), (256, 16, 500), (512, 8, 400), (1024, 4, 300), (2048, 2, 200), (4096, 1, 150)]
+STAGES = [(128, 16, 1500), (256, 8, 400), (512, 4, 400), (1024, 2, 300), (2048, 1, 200), (4096, 1, 100)]
 QUICK = [(128, 8, 20), (256, 4, 10)]
 
 
@@ -91,42 +91,62 @@ def build_model(vocab_size: int, max_pos: int):
     return LlamaForCausalLM(cfg)
 
 
+def copy_row(tok, length, rng):
+    """A segment that appears twice at a random distance inside random tokens; loss on the repeat.
+
+    The distance varies, so the only way to predict the repeat is by content: find the
+    earlier occurrence of the current token and copy what followed (an induction head).
+    Half the segments are 5-digit numbers, where digits repeat and a one-token match is
+    ambiguous, so the model must match on longer context — exactly what a passkey needs.
+    """
+    n = rng.randint(6, length // 3)
+    if rng.random() < 0.5:
+        seg = [rng.randrange(3, len(tok)) for _ in range(n)]
+    else:
+        seg = []
+        while len(seg) < n:
+            seg += tok.encode(" " + tasks.random_key(rng), add_special_tokens=False)
+        seg = seg[:n]
+    bg = [rng.randrange(3, len(tok)) for _ in range(length - 2 * n)]
+    a = rng.randint(0, len(bg))
+    b = rng.randint(a, len(bg))
+    row = bg[:a] + seg + bg[a:b] + seg + bg[b:]
+    w = [0.0] * (a + n + b - a + 1) + [1.0] * (n - 1) + [0.0] * (len(bg) - b)
+    return row, w
+
+
 def make_batch(tok, corpus_ids, length, batch, rng):
     """A mix of rows, each with per-token loss weights (answers up-weighted).
 
-    * prose: plain language modelling on the corpus;
-    * copy: a random token string repeated — the quickest way for a small model
-      to grow induction heads (attend to the token after the last occurrence of
-      the current one), which every retrieval task below relies on;
-    * facts in prose / in filler: many ``name -> code`` facts, several queries;
-    * passkey and multi-hop prompts in the exact format the evals use.
+    Per 8 rows: 2 plain language modelling on the corpus; 2 copy rows (see
+    :func:`copy_row`); 1 many-facts lookup in prose or filler; 2 passkey prompts
+    and 1 multi-hop chain, both in the exact format the evals use.
     """
     rows, weights = [], []
     for b in range(batch):
-        kind = b % 8
+        kind = (b + rng.randrange(8)) % 8
         if kind in (0, 1):  # language modelling on real text
             s = rng.randrange(0, len(corpus_ids) - length - 1)
             rows.append(corpus_ids[s : s + length])
             weights.append([1.0] * length)
-        elif kind == 2:  # copy
-            half = [rng.randrange(3, len(tok)) for _ in range(length // 2)]
-            ids = (half * 2 + half)[:length]
+        elif kind in (2, 3):
+            ids, w = copy_row(tok, length, rng)
             rows.append(ids)
-            weights.append([0.0] * (length // 2) + [1.0] * (length - length // 2))
-        elif kind in (3, 4):  # facts in prose (3) or filler (4)
+            weights.append([3.0 * x for x in w])
+        elif kind == 4:  # facts in prose or filler
             n_pairs = max(2, min(24, length // 24))
             ids, w = tasks.kv_lookup(tok, length, rng, n_pairs, max(1, n_pairs // 2),
-                                     haystack=corpus_ids if kind == 3 else None)
+                                     haystack=corpus_ids if rng.random() < 0.5 else None)
             rows.append(ids)
-            weights.append([5.0 * x + 1.0 for x in w])
+            weights.append([5.0 * x + 0.5 for x in w])
         elif kind in (5, 6):  # the passkey prompt itself
             ex = tasks.passkey(tok, length - 6, rng.random(), rng)  # answer: space + 5 digits
             rows.append(ex.input_ids + ex.answer_ids)
-            weights.append([0.2] * len(ex.input_ids) + [5.0] * len(ex.answer_ids))
+            weights.append([0.1] * len(ex.input_ids) + [5.0] * len(ex.answer_ids))
         else:  # multi-hop chain
             ex = tasks.variable_chain(tok, length - 12, rng.uniform(0.3, 1.0), rng, hops=rng.choice([1, 2]))
             ids = (ex.input_ids + ex.answer_ids)[:length]
-            w = [0.2] * len(ex.input_ids) + [5.0] * len(ex.answer_ids)
+            w = [0.1] * len(ex.input_ids) + [5.0] * len(ex.answer_ids)
             pad = length - len(ids)
             rows.append(ids + [2] * pad)
             weights.append(w[:length] + [0.0] * pad)
@@ -174,7 +194,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny smoke run (writes to --out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = p.parse_args(argv)
     if args.vocab_size < 300:
@@ -215,6 +235,8 @@ def main(argv=None):
             opt.step()
             sched.step()
             step += 1
+            if step % 250 == 0 and length == stages[0][0]:  # watch the copy skill appear
+                print(f"  step {step}: passkey@{length} = {passkey_accuracy(model, tok, length, 20):.2f}", flush=True)
             if step % 25 == 0 or step == total:
                 curve.append({"step": step, "seq_len": length, "loss": round(loss.item(), 4),
                               "elapsed_s": round(time.time() - t0, 1)})

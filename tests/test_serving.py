@@ -1,0 +1,94 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab import serving as S
+
+
+def seq(*prompts, gap=100.0, out=1, block=4):
+    return [S.request_from_tokens(i * gap, list(p), [900 + i] * out, block, i) for i, p in enumerate(prompts)]
+
+
+def test_hand_worked_trace():
+    """Block size 4, a pool of 4 blocks, requests far apart (see the derivation in the docstring)."""
+    a, c, d = list(range(1, 9)), list(range(9, 13)), list(range(20, 28))
+    reqs = seq(a, a + c, d, a)
+    res = S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=4, num_blocks=4)
+    # R0 fills A,B. R1 reuses A,B (8 tokens) and adds C. R2's two prompt blocks and its decode
+    # block need three blocks: one free, then A and B are evicted (least recently used first).
+    # R3 asks for A,B again: gone.
+    assert [r["cached_tokens"] for r in res.requests] == [0, 8, 0, 0]
+    assert res.hit_rate == pytest.approx(8 / 36)
+    assert res.peak_concurrency == 1
+
+
+def test_unbounded_pool_hit_rate_is_fraction_of_blocks_seen_before():
+    reqs = S.rag(n=120, docs=30, doc_len=64, block_size=16, output_len=8, seed=3)
+    res = S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=16, num_blocks=10**7)
+    seen, hits, total = set(), 0, 0
+    for r in sorted(reqs, key=lambda r: r.arrival):
+        hits += sum(h in seen for h in r.prompt_hashes)
+        total += len(r.prompt_hashes)
+        seen.update(r.prompt_hashes)
+        seen.update(r.output_hashes or [])
+    assert res.block_hit_rate == pytest.approx(hits / total)
+
+
+def test_lru_hit_rate_never_drops_as_the_pool_grows():
+    reqs = S.rag(n=150, docs=40, doc_len=64, block_size=16, output_len=4, rate=0.001, seed=1)  # one at a time
+    rates = [S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=16, num_blocks=n).hit_rate
+             for n in (40, 60, 100, 200, 400, 1000)]
+    assert rates == sorted(rates) and rates[-1] > rates[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["system-prompt", "chat", "rag", "few-shot"]), st.integers(30, 400), st.integers(0, 50))
+def test_bytes_held_never_exceed_the_pool(workload, blocks, seed):
+    kw = {"conversations": 8} if workload == "chat" else {"n": 40}
+    reqs = S.WORKLOADS[workload](block_size=16, seed=seed, **kw)
+    need = max(-(-(r.prompt_len + r.output_len) // 16) for r in reqs)
+    res = S.simulate(reqs, "llama-3.1-8b", "L4", "int4", block_size=16, num_blocks=max(blocks, need))
+    assert res.max_bytes_held <= res.pool_bytes
+    assert len(res.requests) == len(reqs)  # everyone is served eventually
+
+
+def test_smaller_format_more_blocks_same_bytes():
+    n16, b16, p16 = S.pool_blocks("llama-3.1-8b", "H100-80GB", "bf16")
+    n8, b8, _ = S.pool_blocks("llama-3.1-8b", "H100-80GB", "fp8")
+    n4, _, _ = S.pool_blocks("llama-3.1-8b", "H100-80GB", "int4")
+    assert b16 == 2 * b8 and n8 == pytest.approx(2 * n16, rel=1e-3)
+    assert n4 / n16 == pytest.approx(16 / 4.5, rel=1e-3)
+
+
+def test_trace_loader(tmp_path):
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8, 9]}\n'
+                    '{"timestamp": 2000, "input_length": 600, "output_length": 5, "hash_ids": [7, 10]}\n')
+    reqs = S.load_trace(good)
+    assert [len(r.prompt_hashes) for r in reqs] == [2, 1] and reqs[1].arrival == 2.0
+    res = S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=512)
+    assert res.requests[1]["cached_tokens"] == 512
+    for body, msg in [('{"timestamp": 0}', ":1: missing field 'input_length'"),
+                      ("not json", ":1: not valid JSON"),
+                      ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}', "hash_ids"),
+                      ('[1, 2]', "expected a JSON object")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}\n' + body + "\n")
+        with pytest.raises(ValueError, match=msg.replace(":1:", ":2:")):
+            S.load_trace(bad)
+
+
+def test_request_larger_than_pool_is_a_clear_error():
+    reqs = seq(list(range(64)))
+    with pytest.raises(ValueError, match="needs 17 blocks but the pool has 4"):
+        S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=4, num_blocks=4)
+
+
+def test_cli(capsys):
+    import json
+
+    from kvlab.cli import main
+
+    assert main(["serve-sim", "--workload", "few-shot", "--requests", "50", "--kv-dtype", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 50 and 0 <= out["hit_rate"] <= 1 and out["cost_per_million_output_tokens"] > 0
