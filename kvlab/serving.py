@@ -449,3 +449,37 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
             if limit and len(reqs) >= limit:
                 break
     return reqs
+
+
+# --------------------------------------------------------------------------- sweeps for the chapter
+
+
+def hit_rate_vs_pool(requests: list[Request], model, gpu, formats, pool_gib: list[float], *,
+                     weights_dtype="bf16", block_size=16) -> dict[str, list[float]]:
+    """Prefix hit rate for each format as the pool's *bytes* grow (same bytes -> more blocks in a smaller format)."""
+    out = {}
+    for fmt in formats:
+        out[str(fmt)] = [simulate(requests, model, gpu, fmt, weights_dtype=weights_dtype, block_size=block_size,
+                                  pool_bytes=int(g * 2**30)).hit_rate for g in pool_gib]
+    return out
+
+
+def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0, weights_dtype="bf16",
+               block_size=16, pool_bytes: int | None = None, quality: dict[str, float] | None = None,
+               threshold: float = 0.9) -> list[dict]:
+    """One row per format: hit rate, recomputed tokens, concurrency, throughput, $ per million output tokens.
+
+    ``quality`` maps a format to a score in [0, 1] measured elsewhere (chapter 4's long-context
+    exact match); rows below ``threshold`` are flagged ``ok=False``.
+    """
+    rows = []
+    for fmt in formats:
+        r = simulate(requests, model, gpu, fmt, weights_dtype=weights_dtype, block_size=block_size,
+                     pool_bytes=pool_bytes)
+        s = r.summary()
+        q = None if quality is None else quality.get(str(fmt))
+        rows.append({"kv_format": str(fmt), "num_blocks": r.num_blocks, "hit_rate": s["hit_rate"],
+                     "recomputed_tokens": s["prefill_tokens_computed"], "peak_concurrency": s["peak_concurrency"],
+                     "throughput_tok_s": s["throughput_tok_s"], "usd_per_m_tokens": r.cost_per_million(gpu_hour_usd),
+                     "quality": q, "ok": None if q is None else q >= threshold})
+    return rows

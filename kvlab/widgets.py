@@ -122,3 +122,59 @@ class BudgetExplorer:
         from IPython.display import display
 
         display(self.widget())
+
+
+class PrefixCacheExplorer:
+    """Dropdowns for GPU, model, KV format and workload; hit rate vs pool size per format, updated in place."""
+
+    def __init__(self, model="llama-3.1-8b", gpu="H100-80GB", workload="rag", kv_format="int4",
+                 formats=("bf16", "fp8_e4m3", "int4"), pool_gib=(1, 2, 4, 8, 16, 32), n_requests=200):
+        from . import serving as S
+
+        self._S = S
+        self.formats, self.pool_gib, self.n = tuple(formats), list(pool_gib), n_requests
+        style = {"description_width": "90px"}
+        self.model = w.Dropdown(options=B.preset_names(), value=model, description="model", style=style)
+        self.gpu = w.Dropdown(options=list(B.gpus()), value=gpu, description="GPU", style=style)
+        self.workload = w.Dropdown(options=list(S.WORKLOADS), value=workload, description="workload", style=style)
+        self.kv_format = w.Dropdown(options=list(self.formats), value=kv_format, description="KV format",
+                                    style=style)
+        self.table = w.HTML()
+        self.fig = go.FigureWidget(
+            data=[go.Scatter(name=f, x=self.pool_gib, y=[0] * len(self.pool_gib), mode="lines+markers")
+                  for f in self.formats],
+            layout=dict(height=360, title="Prefix-cache hit rate vs KV pool size (same bytes, different formats)",
+                        xaxis=dict(type="log", title="KV pool (GiB)"), yaxis=dict(title="hit rate", range=[0, 1]),
+                        margin=dict(l=60, r=20, t=40, b=40)),
+        )
+        for ctl in (self.model, self.gpu, self.workload, self.kv_format):
+            ctl.observe(self.update, names="value")
+        self.update()
+
+    def requests(self):
+        kw = {"conversations": max(1, self.n // 5)} if self.workload.value == "chat" else {"n": self.n}
+        return self._S.WORKLOADS[self.workload.value](**kw)
+
+    def update(self, change=None):
+        reqs = self.requests()
+        try:
+            curves = self._S.hit_rate_vs_pool(reqs, self.model.value, self.gpu.value, self.formats, self.pool_gib)
+            row = self._S.cost_table(reqs, self.model.value, self.gpu.value, [self.kv_format.value])[0]
+        except ValueError as e:
+            self.table.value = f"<span style='color:#b00'>{e}</span>"
+            return
+        with self.fig.batch_update():
+            for trace, ys in zip(self.fig.data, curves.values()):
+                trace.y = ys
+        self.table.value = (
+            f"On one {self.gpu.value} with {self.kv_format.value} KV: {row['num_blocks']:,} blocks, "
+            f"hit rate {row['hit_rate']:.1%}, peak concurrency {row['peak_concurrency']}, "
+            f"${row['usd_per_m_tokens']:.2f} per million output tokens at $3/GPU-hour.")
+
+    def widget(self):
+        return w.VBox([w.HBox([self.model, self.gpu]), w.HBox([self.workload, self.kv_format]), self.table, self.fig])
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget())

@@ -1,3 +1,5 @@
+import pytest
+
 from kvlab import budget as B
 from kvlab.widgets import BudgetExplorer, memory_breakdown
 
@@ -21,7 +23,7 @@ def test_kv_format_dropdown_halves_cache():
     e = BudgetExplorer(model="llama-3.1-8b", kv_format="bf16")
     c16 = e.bar.data[1].x[0]
     e.kv_format.value = "fp8_e4m3"
-    assert e.bar.data[1].x[0] == c16 / 2
+    assert e.bar.data[1].x[0] == pytest.approx(c16 / 2, rel=1e-6)  # + one fp32 scale per layer
 
 
 def test_bad_tp_shows_error_instead_of_raising():
@@ -36,3 +38,16 @@ def test_memory_breakdown_adds_up():
     m = memory_breakdown("llama-3.1-8b", "H100-80GB", "fp8", "bf16", 4, 8192)
     assert abs(m["weights"] + m["cache"] + m["free"] - m["capacity"]) < 1e-6
     assert m["cache"] * 1024**3 == B.budget("llama-3.1-8b", 4, 8192, "fp8").cache_bytes
+
+
+def test_prefix_cache_explorer_updates_in_place():
+    from kvlab.widgets import PrefixCacheExplorer
+
+    e = PrefixCacheExplorer(model="llama-3.1-8b", gpu="L4", workload="few-shot", n_requests=40, pool_gib=(2, 4))
+    trace = e.fig.data[0]
+    before = tuple(trace.y)
+    e.workload.value = "rag"
+    assert e.fig.data[0] is trace and tuple(trace.y) != before
+    assert "blocks" in e.table.value
+    e.model.value = "llama-3.1-70b"  # weights do not fit on an L4: an error line, not an exception
+    assert "no memory" in e.table.value
