@@ -178,3 +178,60 @@ class PrefixCacheExplorer:
         from IPython.display import display
 
         display(self.widget())
+
+
+class QuantErrorExplorer:
+    """Pick a layer, K or V, an element type, a granularity and a group size: SNR and error heatmap update."""
+
+    def __init__(self, capture, layer=0):
+        from .formats import Quantizer
+        from .metrics import snr_db
+        from .quant import fake_quantize
+
+        self._Q, self._snr, self._fq = Quantizer, snr_db, fake_quantize
+        self.cap = capture
+        style = {"description_width": "90px"}
+        self.layer = w.IntSlider(value=layer, min=0, max=capture.num_layers - 1, description="layer", style=style)
+        self.tensor = w.ToggleButtons(options=["keys", "values"], value="keys", description="tensor", style=style)
+        self.element = w.Dropdown(options=["int8", "int4", "int2", "float8_e4m3fn"], value="int4",
+                                  description="element", style=style)
+        self.gran = w.Dropdown(options=["tensor", "token", "channel", "group"], value="token",
+                               description="scales per", style=style)
+        self.group = w.SelectionSlider(options=[8, 16, 32, 64], value=32, description="group size", style=style)
+        self.status = w.HTML()
+        self.fig = go.FigureWidget(
+            data=[go.Heatmap(z=[[0]], colorscale="Viridis", colorbar=dict(title="|error|"))],
+            layout=dict(height=320, title="|x - x_hat| for head 0 (tokens x channels)",
+                        xaxis_title="channel", yaxis_title="token", margin=dict(l=60, r=20, t=40, b=40)),
+        )
+        for ctl in (self.layer, self.tensor, self.element, self.gran, self.group):
+            ctl.observe(self.update, names="value")
+        self.update()
+
+    def quantizer(self):
+        kw = dict(group_size=self.group.value) if self.gran.value == "group" else {}
+        sym = self.element.value.startswith("float") or self.gran.value == "tensor"
+        return self._Q(self.element.value, self.gran.value, symmetric=sym,
+                       scale_bits=32 if self.element.value.startswith("float") else 16, **kw)
+
+    def update(self, change=None):
+        x = (self.cap.keys if self.tensor.value == "keys" else self.cap.values)[self.layer.value]
+        try:
+            xh = self._fq(x, self.quantizer())
+        except ValueError as e:
+            self.status.value = f"<span style='color:#b00'>{e}</span>"
+            return
+        err = (x - xh).abs()[0, 0]
+        with self.fig.batch_update():
+            self.fig.data[0].z = err.tolist()
+        self.status.value = (f"SNR {self._snr(x, xh).item():.1f} dB, "
+                             f"{self.quantizer().bits_per_element(x.shape[-1]):.3g} bits per element")
+
+    def widget(self):
+        return w.VBox([w.HBox([w.VBox([self.layer, self.tensor, self.element, self.gran, self.group]), self.fig]),
+                       self.status])
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget())

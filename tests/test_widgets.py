@@ -51,3 +51,21 @@ def test_prefix_cache_explorer_updates_in_place():
     assert "blocks" in e.table.value
     e.model.value = "llama-3.1-70b"  # weights do not fit on an L4: an error line, not an exception
     assert "no memory" in e.table.value
+
+
+def test_quant_error_explorer_updates_in_place():
+    import torch
+
+    from kvlab.models import Capture
+    from kvlab.widgets import QuantErrorExplorer
+
+    k = [torch.randn(1, 2, 16, 64) for _ in range(2)]
+    cap = Capture(k, [torch.randn(1, 2, 16, 64) for _ in range(2)], [torch.randn(1, 4, 16, 64)] * 2, None, [0.125] * 2)
+    e = QuantErrorExplorer(cap)
+    trace = e.fig.data[0]
+    s_int4 = e.status.value
+    e.element.value = "int8"
+    assert e.fig.data[0] is trace and e.status.value != s_int4
+    e.gran.value = "group"
+    e.group.value = 16
+    assert "bits per element" in e.status.value
