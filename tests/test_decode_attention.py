@@ -15,7 +15,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_token", "int8", "int8_tensor", "int4",
            "int4_token", "q4_0", "lmdeploy-int8", "lmdeploy-int4"]
 # Tolerance: both sides compute in float32 from identical codes; only summation order differs.
-ATOL = 2e-5 if DEV == "cpu" else 2e-3  # tl.dot may use TF32 on a GPU
+ATOL = 2e-5 if DEV == "cpu" else 1e-2  # on a GPU tl.dot on float32 tiles uses TF32 (10-bit mantissa)
 
 
 def make(fmt, B, Hkv, T, D, seed=0):
@@ -36,7 +36,7 @@ def test_mixed_lengths_match_reference(fmt, head_dim, gqa):
     q = torch.randn(3, 2 * gqa, head_dim, device=DEV)
     out = kernels.decode_attention(q, kq, vq, lens)
     ref = kernels.decode_attention_reference(q, kq, vq, lens)
-    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4 if DEV == "cpu" else 1e-2)
 
 
 @pytest.mark.parametrize("length", [1, 17, 1000])
@@ -47,7 +47,7 @@ def test_single_sequence_split_kv(length):
     ref = kernels.decode_attention_reference(q, kq, vq, lens)
     for splits in (1, 3, 8):  # the log-sum-exp merge must not depend on how the sequence is cut
         out = kernels.decode_attention(q, kq, vq, lens, num_splits=splits)
-        torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4 if DEV == "cpu" else 1e-2)
 
 
 def test_lse_matches_logsumexp():

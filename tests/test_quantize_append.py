@@ -45,7 +45,7 @@ def test_decode_after_appends():
         lens += 1
         qry = torch.randn(2, 8, 64, device=DEV)
         torch.testing.assert_close(decode_attention(qry, k, v, lens), decode_attention_reference(qry, k, v, lens),
-                                   atol=2e-5 if DEV == "cpu" else 2e-3, rtol=1e-4)
+                                   atol=2e-5 if DEV == "cpu" else 1e-2, rtol=1e-4 if DEV == "cpu" else 1e-2)
 
 
 def test_overflow_is_an_error():
