@@ -25,8 +25,14 @@ import torch
 
 
 def peak_memory(fn: Callable, *args, device: str | torch.device | None = None, **kwargs):
-    """``(result, peak_bytes)``: the most memory torch held at once during ``fn``, above what was held before."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """``(result, peak_bytes)``: the most memory torch held at once during ``fn``, above what was held before.
+
+    ``device`` defaults to the device of the first tensor argument (CPU if there is none).
+    """
+    if device is None:
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        device = first.device if first is not None else "cpu"
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)

@@ -56,7 +56,7 @@ def test_lse_matches_logsumexp():
     lens = torch.tensor([64], device=DEV)
     _, lse = kernels.decode_attention(q, kq, vq, lens, return_lse=True)
     s = (q[0].float() @ kq.dequantize()[0, 0].T) * 64**-0.5
-    torch.testing.assert_close(lse[0], torch.logsumexp(s, dim=-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lse[0], torch.logsumexp(s, dim=-1), atol=ATOL * 5, rtol=1e-5 if DEV == "cpu" else 1e-2)
 
 
 def test_reads_the_cache_layout():
@@ -71,7 +71,7 @@ def test_reads_the_cache_layout():
     out = kernels.decode_attention(q.to(DEV), _to(kq), _to(vq), torch.tensor([50], device=DEV))
     want = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], *cache.layers[0]._gather(), enable_gqa=True)[:, :, 0]
-    torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.cpu(), want, atol=max(ATOL, 1e-4), rtol=1e-4 if DEV == "cpu" else 1e-2)
 
 
 def _to(kv):
