@@ -95,40 +95,60 @@ def test_chapter1_sliders_move_the_figure(lab):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{url}/lab/tree/01_cache_budget.ipynb?token={token}")
-        page.wait_for_selector(".jp-Notebook", timeout=60_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], "
-                               ".jp-Toolbar-kernelStatus", timeout=60_000)
-        page.get_by_role("menuitem", name="Run").click()
-        page.get_by_text("Run All Cells", exact=True).click()
-        # The explorer's sliders appear once its cell has run.
-        page.wait_for_selector(".widget-slider .widget-readout", timeout=180_000)
-        page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3", timeout=120_000)
-        # Figures: [0] bits bar (static), [1] memory bar, [2] concurrency curves.
-        page.wait_for_function(
-            "() => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p && p.data && p.data.length == 3; }",
-            timeout=60_000)
-        # Let every cell finish (the cell after the explorer sets batch and puts it back).
-        page.wait_for_function(
-            "() => !Array.from(document.querySelectorAll('.jp-InputArea-prompt')).some(e => e.textContent.includes('*'))",
-            timeout=300_000)
-        cache_before = figure_value(page, 1, 1, "x")
-        marker_before = figure_value(page, 2, 5, "x")  # trace 5: the "you are here" marker
-        set_slider(page, "batch", "64")
-        page.wait_for_function(
-            "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[1].x[0] != b; }",
-            arg=cache_before[0], timeout=30_000)
-        cache_after = figure_value(page, 1, 1, "x")
-        assert cache_after[0] == pytest.approx(4 * cache_before[0]), (cache_before, cache_after)
+        try:
+            _drive_chapter1(page, url, token, out)
+        except Exception:
+            page.screenshot(path=str(out / "chapter1_failure.png"))  # what the browser showed when it failed
+            raise
+        finally:
+            browser.close()
 
-        set_slider(page, "context", "131072")
-        page.wait_for_function(
-            "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[1].x[0] != b; }",
-            arg=cache_after[0], timeout=30_000)
-        assert figure_value(page, 1, 1, "x")[0] == pytest.approx(4 * cache_after[0])
-        marker_after = figure_value(page, 2, 5, "x")
-        assert marker_after != marker_before and marker_after[0] == pytest.approx(131072, rel=0.01)
-        page.screenshot(path=str(out / "chapter1_explorer.png"), full_page=False)
-        errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-        assert "Traceback" not in " ".join(errors.all_inner_texts())
-        browser.close()
+
+def _drive_chapter1(page, url, token, out):
+    """Open chapter 1, run it, move two sliders, check the figures followed."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    page.goto(f"{url}/lab/tree/01_cache_budget.ipynb?token={token}")
+    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    # A fresh JupyterLab may ask which kernel to start: accept the notebook's own (Python 3).
+    try:
+        page.locator(".jp-Dialog").get_by_role("button", name="Select").click(timeout=15_000)
+    except PlaywrightTimeout:
+        pass
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle'], "
+                           ".jp-Toolbar-kernelStatus", timeout=60_000)
+    page.get_by_role("menuitem", name="Run").click()
+    page.get_by_text("Run All Cells", exact=True).click()
+    # The explorer's sliders appear once its cell has run.
+    page.wait_for_selector(".widget-slider .widget-readout", timeout=180_000)
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3", timeout=120_000)
+    # Figures: [0] bits bar (static), [1] memory bar, [2] concurrency curves.
+    page.wait_for_function(
+        "() => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p && p.data && p.data.length == 3; }",
+        timeout=60_000)
+    # Let every cell finish (the cell after the explorer sets batch and puts it back).
+    page.wait_for_function(
+        "() => !Array.from(document.querySelectorAll('.jp-InputArea-prompt')).some(e => e.textContent.includes('*'))",
+        timeout=300_000)
+    cache_before = figure_value(page, 1, 1, "x")
+    marker_before = figure_value(page, 2, 5, "x")  # trace 5: the "you are here" marker
+    set_slider(page, "batch", "64")
+    page.wait_for_function(
+        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[1].x[0] != b; }",
+        arg=cache_before[0], timeout=30_000)
+    cache_after = figure_value(page, 1, 1, "x")
+    assert cache_after[0] == pytest.approx(4 * cache_before[0]), (cache_before, cache_after)
+
+    set_slider(page, "context", "131072")
+    page.wait_for_function(
+        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[1].x[0] != b; }",
+        arg=cache_after[0], timeout=30_000)
+    assert figure_value(page, 1, 1, "x")[0] == pytest.approx(4 * cache_after[0])
+    page.wait_for_function(  # the curve figure updates in its own message: wait for it too
+        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[2]; return p.data[5].x[0] != b; }",
+        arg=marker_before[0], timeout=30_000)
+    marker_after = figure_value(page, 2, 5, "x")
+    assert marker_after != marker_before and marker_after[0] == pytest.approx(131072, rel=0.01)
+    page.screenshot(path=str(out / "chapter1_explorer.png"), full_page=False)
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    assert "Traceback" not in " ".join(errors.all_inner_texts())
