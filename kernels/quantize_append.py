@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import HAVE_TRITON, tl, triton
-from .decode_attention import KINDS, QuantizedKV
+from .layout import KINDS, QuantizedKV
 
 if not HAVE_TRITON:
     raise ImportError("triton is not installed: the append kernel is unavailable")

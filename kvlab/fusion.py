@@ -66,7 +66,7 @@ def tiled_decode(q: torch.Tensor, k, v, scaling: float | None = None, block: int
 
     Every sequence is taken to be the cache's full length.
     """
-    from kvlab.kernels.decode_attention import QuantizedKV
+    from kvlab.kernels.layout import QuantizedKV
 
     if not isinstance(k, QuantizedKV) or not isinstance(v, QuantizedKV):
         raise TypeError("k and v must be QuantizedKV")
@@ -95,7 +95,7 @@ def tiled_decode(q: torch.Tensor, k, v, scaling: float | None = None, block: int
 
 
 def _slice(kv, a: int, b: int):
-    from kvlab.kernels.decode_attention import QuantizedKV
+    from kvlab.kernels.layout import QuantizedKV
 
     per_token = kv.scale is not None and kv.scale_mode == "token"
     cut = lambda t: None if t is None else (t[:, :, a:b] if per_token else t)
