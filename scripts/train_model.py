@@ -199,6 +199,9 @@ def main(argv=None):
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue from a saved model folder (its tokenizer is kept) instead of starting fresh")
+    p.add_argument("--max-stages", type=int, default=None, help="run only the first N stages")
     args = p.parse_args(argv)
     if args.vocab_size < 300:
         p.error("--vocab-size must be at least 300 (256 bytes + specials + merges)")
@@ -212,13 +215,29 @@ def main(argv=None):
 
     train_text = gzip.open(ROOT / "data/corpus/train.txt.gz", "rt").read()
     held_text = gzip.open(ROOT / "data/corpus/heldout.txt.gz", "rt").read()
-    tok = build_tokenizer(train_text, args.vocab_size)
+    if args.init_from is not None:
+        from transformers import AutoTokenizer
+
+        if not (args.init_from / "config.json").exists():
+            p.error(f"--init-from {args.init_from}: no config.json there")
+        tok = AutoTokenizer.from_pretrained(args.init_from)
+    else:
+        tok = build_tokenizer(train_text, args.vocab_size)
     corpus_ids = tok.encode(train_text, add_special_tokens=False)
     held_ids = tok.encode(held_text, add_special_tokens=False)
     print(f"tokenizer: {len(tok)} tokens; corpus {len(corpus_ids)} train / {len(held_ids)} held-out tokens")
 
     stages = QUICK if args.quick else STAGES
-    model = build_model(len(tok), max_pos=32768).to(device)
+    if args.max_stages is not None:
+        if args.max_stages < 1:
+            p.error("--max-stages must be >= 1")
+        stages = stages[: args.max_stages]
+    if args.init_from is not None:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(args.init_from).to(device)
+    else:
+        model = build_model(len(tok), max_pos=32768).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters on {device}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, betas=(0.9, 0.95))
@@ -269,6 +288,7 @@ def main(argv=None):
     tok.save_pretrained(args.out)
     record = {
         "seed": args.seed,
+        "init_from": None if args.init_from is None else str(args.init_from),
         "stages": [{"seq_len": n, "batch": b, "steps": s} for n, b, s in stages],
         "lr": args.lr,
         "parameters": n_params,
