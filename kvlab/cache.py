@@ -262,7 +262,7 @@ class fused_attention:
         if not isinstance(cache, KVQuantCache):
             raise TypeError(f"cache must be a KVQuantCache, got {type(cache).__name__}")
         for q in (cache.fmt.key, cache.fmt.value):
-            if q.granularity == "group" and q.group_axis == "token" or q.granularity in ("channel", "head"):
+            if (q.granularity == "group" and q.group_axis == "token") or q.granularity in ("channel", "head"):
                 raise ValueError(f"format {cache.fmt.name!r} has {q.granularity} scales, which the kernel does not read")
             if q.kind == "int" and q.bits not in (4, 8):
                 raise ValueError(f"the kernel reads INT8 and INT4, not INT{q.bits}")

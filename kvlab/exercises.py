@@ -7,6 +7,8 @@ one they made. Tests run every mistake through its exercise.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from .check import Exercise
@@ -21,34 +23,18 @@ def _cases_rows(seed=0):
 # ----- INT8, symmetric, one scale per token (row) --------------------------------------------
 
 
+def _int8_rows(x, *, axis=-1, levels=127, lo=-127, guard_zero=True, rounding=True):
+    """Symmetric INT8 with one scale per slice along ``axis``; the keywords reproduce the usual mistakes."""
+    scale = x.abs().amax(dim=axis, keepdim=True) / levels
+    if guard_zero:
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = x / scale
+    return (torch.round(y) if rounding else y).clamp(lo, 127).to(torch.int8), scale
+
+
 def int8_per_token(x):
     """Codes in [-127, 127] (int8) and one scale per row: ``x ~= codes * scale``."""
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
-
-
-def _int8_wrong_axis(x):
-    scale = x.abs().amax(dim=-2, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
-
-
-def _int8_128(x):
-    scale = x.abs().amax(dim=-1, keepdim=True) / 128
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(x / scale).clamp(-128, 127).to(torch.int8), scale
-
-
-def _int8_zero_scale(x):
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127
-    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
-
-
-def _int8_truncate(x):
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (x / scale).clamp(-127, 127).to(torch.int8), scale
+    return _int8_rows(x)
 
 
 def int8_per_token_exercise() -> Exercise:
@@ -56,11 +42,11 @@ def int8_per_token_exercise() -> Exercise:
         "int8_per_token", int8_per_token, _cases_rows(),
         mistakes={
             "Wrong axis: a per-token scale is the max over each token's channels (the last axis), "
-            "not over tokens.": _int8_wrong_axis,
+            "not over tokens.": partial(_int8_rows, axis=-2),
             "Range: symmetric INT8 uses -127..127 (scale = max/127), so +max and -max both fit; "
-            "dividing by 128 lets -128 in and shifts every step.": _int8_128,
-            "An all-zero row gives scale 0 and 0/0 = NaN: use scale 1 for such rows.": _int8_zero_scale,
-            "`.to(torch.int8)` truncates toward zero: round first with torch.round.": _int8_truncate,
+            "dividing by 128 lets -128 in and shifts every step.": partial(_int8_rows, levels=128, lo=-128),
+            "An all-zero row gives scale 0 and 0/0 = NaN: use scale 1 for such rows.": partial(_int8_rows, guard_zero=False),
+            "`.to(torch.int8)` truncates toward zero: round first with torch.round.": partial(_int8_rows, rounding=False),
         },
     )
 

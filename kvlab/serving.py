@@ -483,3 +483,29 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0
                      "throughput_tok_s": s["throughput_tok_s"], "usd_per_m_tokens": r.cost_per_million(gpu_hour_usd),
                      "quality": q, "ok": None if q is None else q >= threshold})
     return rows
+
+
+def long_context_quality(sweep: dict, formats, min_length: int = 2048) -> dict[str, float | None]:
+    """Passkey exact match at contexts >= ``min_length`` per format, from chapter 4's ``eval_sweep.json``.
+
+    Formats the sweep did not measure (or measured at no such length) map to None.
+    """
+    out = {}
+    for fmt in formats:
+        cells = [c for c in sweep.get("formats", {}).get(str(fmt), {}).get("passkey", []) if c["length"] >= min_length]
+        trials = sum(c["trials"] for c in cells)
+        out[str(fmt)] = sum(c["correct"] for c in cells) / trials if trials else None
+    return out
+
+
+def cost_table_html(rows: list[dict]) -> str:
+    """:func:`cost_table` rows as an HTML table, rows under the quality threshold flagged in red."""
+    def flag(r):
+        return "—" if r["ok"] is None else ("ok" if r["ok"] else "<b style='color:#b00'>below threshold</b>")
+
+    cells = "".join(
+        f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
+        f"<td>{'' if r['quality'] is None else format(r['quality'], '.0%')}</td><td>{flag(r)}</td></tr>"
+        for r in rows)
+    return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th><th>quality</th><th></th></tr>"
+            + cells + "</table>")

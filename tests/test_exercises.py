@@ -11,7 +11,7 @@ def test_reference_passes_and_every_mistake_is_named(make):
     assert ex.check(ex.reference).correct
     for message, bug in ex.mistakes.items():
         fb = ex.check(bug)
-        assert not fb.correct and fb.message == message, f"{bug.__name__} was not diagnosed"
+        assert not fb.correct and fb.message == message, f"{message!r} was not diagnosed"
 
 
 def test_pack_unpack_roundtrip():
