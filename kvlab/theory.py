@@ -86,3 +86,74 @@ def simulate(margin: float, sigma: float, n: int, trials: int = 2000, seed: int 
         mass += float(torch.softmax(logits, 1)[:, 0].sum())
         done += t
     return {"p_argmax": wins / trials, "needle_mass": mass / trials}
+
+
+def effective_margin(logits: torch.Tensor, needle: int) -> tuple[float, int]:
+    """The margin Δ and count n for which the equal-distractor model is exact without noise.
+
+    Real distractors do not share one logit. Choosing ``Δ = s_needle - (logsumexp(s_others) - ln n)``
+    makes ``1 / (1 + n e^-Δ)`` equal to the needle's true softmax share, so the theory's noise
+    term ``e^(σ²/2)`` is the only approximation left.
+    """
+    s = logits.double().flatten()
+    if not 0 <= needle < s.numel():
+        raise ValueError(f"needle index {needle} is outside the {s.numel()} logits")
+    others = torch.cat([s[:needle], s[needle + 1 :]])
+    if others.numel() == 0:
+        raise ValueError("need at least one distractor logit")
+    n = others.numel()
+    return float(s[needle] - (torch.logsumexp(others, 0) - math.log(n))), n
+
+
+@torch.no_grad()
+def retrieval_head_stats(model, tok, fmt, length: int, depth: float = 0.5, seed: int = 0, step: int = 1,
+                         layer_head: tuple[int, int] | None = None) -> dict:
+    """Measure the theory's inputs on the model's own retrieval head, for one passkey prompt.
+
+    Teacher-forces the prompt plus its answer, and looks at answer step ``step`` (the
+    position that must emit ``answer_ids[step]``). The retrieval head is the (layer,
+    query head) with the most attention on the needle's copy of that token (or
+    ``layer_head``). Its post-RoPE logits give the effective margin Δ and n
+    (:func:`effective_margin`); K quantized with ``fmt`` gives the logit noise σ
+    over the distractors, the theory's prediction of the needle's share
+    (:func:`needle_mass`) and the share actually measured with quantized keys.
+    """
+    import random
+
+    from . import models, tasks
+    from .quant import quantize_kv
+
+    ex = tasks.passkey(tok, length, depth, random.Random(f"{seed}-{length}-{depth}"))
+    if not 0 <= step < len(ex.answer_ids):
+        raise ValueError(f"step must be in [0, {len(ex.answer_ids)}), got {step}")
+    ids = ex.input_ids + ex.answer_ids[:step]
+    pos = len(ids) - 1  # the query position that predicts answer_ids[step]
+    needle = ex.input_ids[ex.needle_start:]
+    src = ex.needle_start + next(i for i, t in enumerate(needle) if t == ex.answer_ids[step])
+    cap = models.capture(model, torch.tensor([ids]))
+
+    def logits(layer, keys):
+        q = cap.queries[layer][0, :, pos]  # [Hq, D]
+        k = keys[0]  # [Hkv, T, D]
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
+        return torch.einsum("hd,htd->ht", q.float(), k.float()) * cap.scaling[layer]
+
+    if layer_head is None:
+        best = max(((li, h, torch.softmax(logits(li, cap.keys[li]), -1)[h, src].item())
+                    for li in range(cap.num_layers) for h in range(cap.queries[li].shape[1])),
+                   key=lambda t: t[2])
+        layer_head = best[:2]
+    li, h = layer_head
+    clean = logits(li, cap.keys[li])[h]
+    k_hat, _ = quantize_kv(cap.keys[li], cap.values[li], fmt)
+    noisy = logits(li, k_hat)[h]
+    margin, n = effective_margin(clean, src)
+    noise = torch.cat([noisy[:src] - clean[:src], noisy[src + 1 :] - clean[src + 1 :]])
+    sigma = float(noise.std())
+    return {
+        "length": length, "depth": depth, "layer": li, "head": h, "n": n, "margin": margin, "sigma": sigma,
+        "mass_clean": float(torch.softmax(clean.double(), 0)[src]),
+        "mass_measured": float(torch.softmax(noisy.double(), 0)[src]),
+        "mass_predicted": needle_mass(margin, sigma, n),
+        "needle_wins": bool(noisy.argmax().item() == src),
+    }

@@ -3,8 +3,10 @@
 Everything is offline and seeded. What it does, in order:
 
 1. Trains a byte-level BPE tokenizer (``tokenizers``) on the shipped corpus
-   (CPython docstrings, PSF License; see ``scripts/build_corpus.py``), digits
-   split one per token so a 5-digit key is 5 tokens.
+   (CPython docstrings, PSF License; see ``scripts/build_corpus.py``). Numbers are
+   split into groups of up to three digits, left to right, as the Llama 3 and
+   GPT-4 tokenizers do (pattern ``[0-9]{1,3}``), and every group is one token, so a
+   5-digit key is two tokens (``88876`` -> ``888`` ``76``).
 2. Builds a standard ``transformers`` ``LlamaForCausalLM`` (RoPE, grouped-query
    attention, RMSNorm, SwiGLU) — so every code path the workbook exercises is
    the one a real Llama takes.
@@ -43,20 +45,27 @@ sys.path.insert(0, str(ROOT))
 from kvlab import tasks  # noqa: E402
 
 # (sequence length, batch size, steps) per stage; tokens per step stay about 8-16k.
-# The first stage runs until passkey@128 reaches STAGE1_TARGET (checked every 250 steps) or its step
+# The first stage runs until passkey@128 reaches STAGE1_TARGET (checked every 100 steps) or its step
 # count; the copy skill appears abruptly after a plateau whose length varies from run to run.
 STAGES = [(128, 16, 2500), (256, 8, 300), (512, 4, 300), (1024, 2, 250), (2048, 1, 150), (4096, 1, 100)]
 STAGE1_TARGET = 0.9
 QUICK = [(128, 8, 20), (256, 4, 10)]
+# Before the mix, a short warm-up on rows ``[s, s]`` (random tokens, then the same again). At this
+# fixed distance the model solves it with a positional head that copies what it reads, in ~150 steps;
+# what carries over is the copying (the attended token's identity mapped back to its logit). With the
+# warm-up, the passkey's first number token was retrieved after ~500 mixed steps; without it, not
+# after 500 (2 CPU cores, this script). Rows of the same kind stay in the mix so copying is kept.
+WARMUP = (128, 16, 250)
 
 
 def build_tokenizer(text: str, vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [pre_tokenizers.Split(Regex(r"[0-9]{1,3}"), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -67,7 +76,13 @@ def build_tokenizer(text: str, vocab_size: int):
     synthetic = " ".join(tasks.FILLER) + tasks.INTRO + tasks.NEEDLE + tasks.QUESTION
     synthetic += " ".join(f" The code of {n} 1. Recall the code of {n} Link {n} Value {n} Trace {n}:"
                           for n in tasks.NAMES)
-    tok.train_from_iterator([text, synthetic * 50], trainer=trainer)
+    # Every 1-, 2- and 3-digit group, often enough that BPE merges each into one token.
+    groups = " ".join(f"{i:0{w}d}" for w in (2, 3) for i in range(10**w))
+    tok.train_from_iterator([text, synthetic * 50] + [groups] * 400, trainer=trainer)
+    missing = [g for w in (1, 2, 3) for i in range(10**w) if len(tok.encode(f"{i:0{w}d}").ids) != 1
+               for g in [f"{i:0{w}d}"]]
+    if missing:
+        raise SystemExit(f"vocab_size={vocab_size} is too small: {len(missing)} digit groups are not one token")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>"
     )
@@ -118,11 +133,37 @@ def copy_row(tok, length, rng):
     return row, w
 
 
+def repeat_batch(vocab_size, length, batch, gen):
+    """Rows ``[s, s, tail]``, ``s`` random tokens of random length; loss only on the second copy.
+
+    Only an induction head (find the earlier occurrence of this token, copy what followed)
+    predicts the repeat, since its distance varies: a diagnostic of that skill.
+    """
+    xs, ws = [], []
+    for _ in range(batch):
+        n = int(torch.randint(length // 8, length // 2 + 1, (1,), generator=gen))
+        s = torch.randint(3, vocab_size, (n,), generator=gen)
+        xs.append(torch.cat([s, s, torch.randint(3, vocab_size, (length - 2 * n,), generator=gen)]))
+        w = torch.zeros(length)
+        w[n + 1 : 2 * n] = 1.0
+        ws.append(w)
+    return torch.stack(xs), torch.stack(ws)
+
+
+def fixed_repeat_batch(vocab_size, length, batch, gen):
+    """Rows ``[s, s]`` of random tokens at a fixed distance; loss on the second copy (warm-up)."""
+    half = length // 2
+    s = torch.randint(3, vocab_size, (batch, half), generator=gen)
+    w = torch.zeros(batch, 2 * half)
+    w[:, half + 1 :] = 1.0
+    return torch.cat([s, s], 1), w
+
+
 def make_batch(tok, corpus_ids, length, batch, rng):
     """A mix of rows, each with per-token loss weights (answers up-weighted).
 
-    Per 8 rows: 2 plain language modelling on the corpus; 2 copy rows (see
-    :func:`copy_row`); 1 many-facts lookup in prose or filler; 2 passkey prompts
+    Per 8 rows: 2 plain language modelling on the corpus; 1 repeated random row
+    (:func:`fixed_repeat_batch`); 1 many-facts lookup in prose or filler; 3 passkey prompts
     and 1 multi-hop chain, both in the exact format the evals use.
     """
     rows, weights = [], []
@@ -132,20 +173,22 @@ def make_batch(tok, corpus_ids, length, batch, rng):
             s = rng.randrange(0, len(corpus_ids) - length - 1)
             rows.append(corpus_ids[s : s + length])
             weights.append([1.0] * length)
-        elif kind in (2, 3):
-            ids, w = copy_row(tok, length, rng)
-            rows.append(ids)
-            weights.append([3.0 * x for x in w])
+        elif kind == 2:  # keeps the warm-up's copying alive
+            x, w = fixed_repeat_batch(len(tok), length, 1, torch.Generator().manual_seed(rng.randrange(2**31)))
+            rows.append(x[0].tolist() + [2] * (length - x.shape[1]))
+            weights.append([3.0 * v for v in w[0].tolist()] + [0.0] * (length - x.shape[1]))
         elif kind == 4:  # facts in prose or filler
             n_pairs = max(2, min(24, length // 24))
             ids, w = tasks.kv_lookup(tok, length, rng, n_pairs, max(1, n_pairs // 2),
                                      haystack=corpus_ids if rng.random() < 0.5 else None)
             rows.append(ids)
             weights.append([5.0 * x + 0.5 for x in w])
-        elif kind in (5, 6):  # the passkey prompt itself
-            ex = tasks.passkey(tok, length - 6, rng.random(), rng)  # answer: space + 5 digits
-            rows.append(ex.input_ids + ex.answer_ids)
-            weights.append([0.1] * len(ex.input_ids) + [5.0] * len(ex.answer_ids))
+        elif kind in (3, 5, 6):  # the passkey prompt itself
+            ex = tasks.passkey(tok, length - 3, rng.random(), rng)  # answer: space + 3 + 2 digits
+            ids = (ex.input_ids + ex.answer_ids)[:length]
+            w = ([0.1] * len(ex.input_ids) + [5.0] * len(ex.answer_ids))[:length]
+            rows.append(ids + [2] * (length - len(ids)))
+            weights.append(w + [0.0] * (length - len(w)))
         else:  # multi-hop chain
             ex = tasks.variable_chain(tok, length - 12, rng.uniform(0.3, 1.0), rng, hops=rng.choice([1, 2]))
             ids = (ex.input_ids + ex.answer_ids)[:length]
@@ -177,18 +220,36 @@ def heldout_ppl(model, ids, length=256, max_windows=64):
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tok, length, trials, seed=1234):
-    """Exact match of all 5 answer digits under teacher forcing (= greedy decoding)."""
+def passkey_accuracy(model, tok, length, trials, seed=1234, per_token=False):
+    """Exact match of the whole answer under teacher forcing (= greedy decoding).
+
+    With ``per_token``, also the accuracy of each answer token (which step of the copy fails).
+    """
     model.eval()
     rng = random.Random(seed + length)
-    hits = 0
+    hits, tok_hits = 0, None
     for t in range(trials):
         ex = tasks.passkey(tok, length, t / max(1, trials - 1), rng)
         x = torch.tensor([ex.input_ids + ex.answer_ids])
-        logits = model(input_ids=x).logits[0, len(ex.input_ids) - 1 : -1]
-        hits += int(logits.argmax(-1).tolist() == ex.answer_ids)
+        pred = model(input_ids=x).logits[0, len(ex.input_ids) - 1 : -1].argmax(-1).tolist()
+        hits += int(pred == ex.answer_ids)
+        ok = [int(a == b) for a, b in zip(pred, ex.answer_ids)]
+        tok_hits = ok if tok_hits is None else [a + b for a, b in zip(tok_hits, ok)]
     model.train()
+    if per_token:
+        return hits / trials, [round(h / trials, 2) for h in tok_hits]
     return hits / trials
+
+
+@torch.no_grad()
+def copy_accuracy(model, vocab_size, length, gen, rows=8):
+    """Top-1 accuracy on the second half of ``[s, s]`` rows: is the induction head still there?"""
+    model.eval()
+    x, w = repeat_batch(vocab_size, length, rows, gen)
+    pred = model(input_ids=x).logits[:, :-1].argmax(-1)
+    hit = ((pred == x[:, 1:]).float() * w[:, 1:]).sum() / w[:, 1:].sum()
+    model.train()
+    return hit.item()
 
 
 def main(argv=None):
@@ -196,15 +257,15 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "data" / "model")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (writes to --out)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--init-from", type=Path, default=None,
                    help="continue from a saved model folder (its tokenizer is kept) instead of starting fresh")
     p.add_argument("--max-stages", type=int, default=None, help="run only the first N stages")
     args = p.parse_args(argv)
-    if args.vocab_size < 300:
-        p.error("--vocab-size must be at least 300 (256 bytes + specials + merges)")
+    if args.vocab_size < 1400:
+        p.error("--vocab-size must be at least 1400 (256 bytes + specials + 1100 digit groups + merges)")
     if args.threads:
         torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -241,12 +302,26 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters on {device}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, betas=(0.9, 0.95))
+    curve, step, stage_log = [], 0, []
+    gen = torch.Generator().manual_seed(args.seed)
+    w_len, w_batch, w_steps = (WARMUP[0], 4, 10) if args.quick else WARMUP
+    if args.init_from is None:  # the schedule below starts after the warm-up, which runs at the full rate
+        for i in range(w_steps):
+            x, w = fixed_repeat_batch(len(tok), w_len, w_batch, gen)
+            loss = weighted_loss(model, x.to(device), w.to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if (i + 1) % 25 == 0:
+                curve.append({"step": i + 1, "seq_len": w_len, "warmup": True, "loss": round(loss.item(), 4),
+                              "elapsed_s": round(time.time() - t0, 1)})
+                print(curve[-1], flush=True)
     total = sum(s for _, _, s in stages)
     warm = max(1, total // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * i / total)))
     )
-    curve, step, stage_log = [], 0, []
     for si, (length, batch, steps) in enumerate(stages):
         for _ in range(steps):
             x, w = make_batch(tok, corpus_ids, length, batch, rng)
@@ -257,9 +332,14 @@ def main(argv=None):
             opt.step()
             sched.step()
             step += 1
-            if si == 0 and step % 250 == 0:  # watch the copy skill appear; move on once it has
-                acc = passkey_accuracy(model, tok, length, 20)
-                print(f"  step {step}: passkey@{length} = {acc:.2f}", flush=True)
+            if si == 0 and step % 100 == 0:  # watch the copy skill appear; move on once it has
+                acc, per_tok = passkey_accuracy(model, tok, length, 20, per_token=True)
+                copy = copy_accuracy(model, len(tok), length, gen)
+                print(f"  step {step}: passkey@{length} = {acc:.2f} (per answer token {per_tok}), "
+                      f"repeat-copy accuracy {copy:.2f}", flush=True)
+                if not args.quick:
+                    model.save_pretrained(args.out / "checkpoint", safe_serialization=True)
+                    tok.save_pretrained(args.out / "checkpoint")
                 if acc >= STAGE1_TARGET and not args.quick:
                     break
             if step % 25 == 0 or step == total:
@@ -289,6 +369,7 @@ def main(argv=None):
     record = {
         "seed": args.seed,
         "init_from": None if args.init_from is None else str(args.init_from),
+        "warmup": None if args.init_from is not None else {"seq_len": w_len, "batch": w_batch, "steps": w_steps},
         "stages": [{"seq_len": n, "batch": b, "steps": s} for n, b, s in stages],
         "lr": args.lr,
         "parameters": n_params,

@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from kvlab import theory
 
@@ -34,3 +35,41 @@ def test_bad_arguments():
         theory.p_argmax(1.0, 1.0, 0)
     with pytest.raises(ValueError, match="sigma"):
         theory.needle_mass(1.0, -1.0, 5)
+
+
+def test_effective_margin_reproduces_the_softmax_share():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(300, generator=g) * 2
+    s[17] += 6
+    margin, n = theory.effective_margin(s, 17)
+    assert n == 299
+    share = torch.softmax(s.double(), 0)[17].item()
+    assert abs(theory.needle_mass(margin, 0.0, n) - share) < 1e-9
+
+
+def test_effective_margin_rejects_bad_index():
+    with pytest.raises(ValueError, match="needle index"):
+        theory.effective_margin(torch.zeros(4), 9)
+    with pytest.raises(ValueError, match="distractor"):
+        theory.effective_margin(torch.zeros(1), 0)
+
+
+class DigitTok:
+    """One token per character; enough for the passkey prompt's structure."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 300 for c in text]
+
+
+def test_retrieval_head_stats_on_a_tiny_llama(tiny_llama):
+    clean = theory.retrieval_head_stats(tiny_llama, DigitTok(), "fp32", 200, 0.5)
+    assert clean["sigma"] < 1e-5 and abs(clean["mass_measured"] - clean["mass_clean"]) < 1e-6
+    # Without noise the theory is exact by construction of the effective margin.
+    assert abs(clean["mass_predicted"] - clean["mass_clean"]) < 1e-6
+    lh = (clean["layer"], clean["head"])
+    int4 = theory.retrieval_head_stats(tiny_llama, DigitTok(), "int4_tensor", 200, 0.5, layer_head=lh)
+    int8 = theory.retrieval_head_stats(tiny_llama, DigitTok(), "int8", 200, 0.5, layer_head=lh)
+    assert int4["sigma"] > int8["sigma"] > 0
+    assert int4["n"] == 200  # 200 prompt tokens + 1 answer token, minus the needle and int4["margin"] == clean["margin"]
+    with pytest.raises(ValueError, match="step"):
+        theory.retrieval_head_stats(tiny_llama, DigitTok(), "fp32", 200, 0.5, step=9)
