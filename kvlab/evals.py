@@ -204,3 +204,57 @@ def teacher_comparison(model, tok, fmt, prompts: list[str], max_new_tokens: int 
     return {"kv_format": get_format(fmt).name, "kl": sum(kls) / len(kls), "top1_agreement": sum(agree) / len(agree),
             "first_divergence": firsts, "mean_first_divergence": sum(firsts) / len(firsts),
             "max_new_tokens": max_new_tokens}
+
+
+# --------------------------------------------------------------------------- the shipped sweep
+
+SWEEP_PATH = Path(__file__).resolve().parents[1] / "data" / "results" / "eval_sweep.json"
+
+
+def load_sweep(path: str | Path | None = None) -> dict:
+    """Chapter 4's full sweep (``scripts/sweep_evals.py``): per format, every rung of the eval ladder.
+
+    Each format's ``passkey`` and ``chain2`` cells come back as :class:`EvalResult` objects.
+    """
+    path = Path(path) if path is not None else SWEEP_PATH
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_evals.py to create it")
+    doc = json.loads(path.read_text())
+    if "formats" not in doc or not isinstance(doc["formats"], dict):
+        raise ValueError(f"{path} is not an eval sweep (no 'formats' mapping)")
+    for name, row in doc["formats"].items():
+        row["passkey_result"] = EvalResult("passkey", doc.get("model", "?"), name, row["passkey"])
+        row["chain_result"] = EvalResult("chain2", doc.get("model", "?"), name, row["chain2"])
+    return doc
+
+
+def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str = "fp32") -> list[dict]:
+    """One row per format: what each rung of the eval ladder reports.
+
+    ``ppl_increase`` is relative to ``reference``; ``needle_short`` is passkey exact match at
+    ``short`` tokens; ``needle_long`` pools every length >= ``long_min``; ``chain`` pools the
+    multi-hop cells; ``kl``, ``top1`` and ``first_divergence`` come from the teacher comparison.
+    """
+    fmts = sweep["formats"]
+    if reference not in fmts:
+        raise KeyError(f"reference format {reference!r} is not in the sweep ({sorted(fmts)})")
+    base = fmts[reference]["perplexity"]
+    rows = []
+    for name, r in fmts.items():
+        pk = r["passkey_result"] if "passkey_result" in r else EvalResult("passkey", "", name, r["passkey"])
+        ch = r["chain_result"] if "chain_result" in r else EvalResult("chain2", "", name, r["chain2"])
+        long_cells = [c for c in pk.rows if c["length"] >= long_min]
+        if short not in pk.lengths or not long_cells:
+            raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens")
+        rows.append({
+            "kv_format": name,
+            "bits": r["bits_per_element"],
+            "ppl_increase": r["perplexity"] / base - 1,
+            "needle_short": pk.accuracy(short),
+            "needle_long": sum(c["correct"] for c in long_cells) / sum(c["trials"] for c in long_cells),
+            "chain": ch.accuracy() if ch.rows else None,
+            "kl": r["teacher"]["kl"],
+            "top1": r["teacher"]["top1_agreement"],
+            "first_divergence": r["teacher"]["mean_first_divergence"],
+        })
+    return rows

@@ -470,7 +470,8 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0
     """One row per format: hit rate, recomputed tokens, concurrency, throughput, $ per million output tokens.
 
     ``quality`` maps a format to a score in [0, 1] measured elsewhere (chapter 4's long-context
-    exact match); rows below ``threshold`` are flagged ``ok=False``.
+    exact match), or to ``{context_length: score}`` (:func:`quality_by_length`); scores below
+    ``threshold`` are flagged ``ok=False`` (per length in the second case).
     """
     rows = []
     for fmt in formats:
@@ -478,10 +479,14 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0
                      pool_bytes=pool_bytes)
         s = r.summary()
         q = None if quality is None else quality.get(str(fmt))
+        if isinstance(q, dict):  # per context length: flag each length on its own
+            ok = {n: None if v is None else v >= threshold for n, v in q.items()}
+        else:
+            ok = None if q is None else q >= threshold
         rows.append({"kv_format": str(fmt), "num_blocks": r.num_blocks, "hit_rate": s["hit_rate"],
                      "recomputed_tokens": s["prefill_tokens_computed"], "peak_concurrency": s["peak_concurrency"],
                      "throughput_tok_s": s["throughput_tok_s"], "usd_per_m_tokens": r.cost_per_million(gpu_hour_usd),
-                     "quality": q, "ok": None if q is None else q >= threshold})
+                     "quality": q, "ok": ok})
     return rows
 
 
@@ -498,8 +503,47 @@ def long_context_quality(sweep: dict, formats, min_length: int = 2048) -> dict[s
     return out
 
 
+def quality_by_length(sweep: dict, formats) -> dict[str, dict[int, float | None]]:
+    """Passkey exact match per format and context length, from chapter 4's ``eval_sweep.json``.
+
+    Every format gets every length the sweep measured (None where it measured no cell).
+    """
+    fmts = sweep.get("formats", {})
+    lengths = sorted({c["length"] for r in fmts.values() for c in r.get("passkey", [])})
+    out = {}
+    for fmt in formats:
+        cells = fmts.get(str(fmt), {}).get("passkey", [])
+        out[str(fmt)] = {}
+        for n in lengths:
+            at = [c for c in cells if c["length"] == n]
+            trials = sum(c["trials"] for c in at)
+            out[str(fmt)][n] = sum(c["correct"] for c in at) / trials if trials else None
+    return out
+
+
 def cost_table_html(rows: list[dict]) -> str:
-    """:func:`cost_table` rows as an HTML table, rows under the quality threshold flagged in red."""
+    """:func:`cost_table` rows as an HTML table, scores under the quality threshold flagged in red.
+
+    With per-length quality (:func:`quality_by_length`) there is one column per context length.
+    """
+    per_length = [r for r in rows if isinstance(r["quality"], dict)]
+    if per_length:
+        lengths = sorted({n for r in per_length for n in r["quality"]})
+
+        def cell(r, n):
+            v = r["quality"].get(n) if isinstance(r["quality"], dict) else None
+            if v is None:
+                return "<td>—</td>"
+            style = "" if r["ok"][n] else " style='color:#b00;font-weight:bold'"
+            return f"<td{style}>{v:.0%}</td>"
+
+        head = "".join(f"<th>{n}</th>" for n in lengths)
+        body = "".join(
+            f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
+            + "".join(cell(r, n) for n in lengths) + "</tr>" for r in rows)
+        return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + head + "</tr>" + body
+                + "</table><p>Passkey exact match per context length (tokens); red: under the threshold.</p>")
+
     def flag(r):
         return "—" if r["ok"] is None else ("ok" if r["ok"] else "<b style='color:#b00'>below threshold</b>")
 

@@ -1,3 +1,4 @@
+import json
 import math
 import re
 
@@ -95,3 +96,41 @@ def test_bad_arguments(tiny_llama, kw, match):
     args = dict(fmt="int8", lengths=[200], depths=[0.5], trials=1) | kw
     with pytest.raises(ValueError, match=match):
         evals.passkey_sweep(tiny_llama, CharTok(), progress=False, **args)
+
+
+def _fake_sweep(tmp_path):
+    def cells(short, long):
+        return [{"length": 512, "depth": 0.0, "trials": 4, "correct": short},
+                {"length": 2048, "depth": 0.0, "trials": 4, "correct": long},
+                {"length": 4096, "depth": 0.0, "trials": 4, "correct": long}]
+
+    teacher = {"kl": 0.01, "top1_agreement": 0.99, "mean_first_divergence": 20.0}
+    doc = {"model": "m", "formats": {
+        "fp32": {"bits_per_element": 32, "perplexity": 10.0, "passkey": cells(4, 4),
+                 "chain2": [{"length": 512, "depth": 1.0, "trials": 4, "correct": 2}], "teacher": teacher},
+        "int4": {"bits_per_element": 4.5, "perplexity": 10.5, "passkey": cells(4, 1), "chain2": [],
+                 "teacher": dict(teacher, kl=0.2)}}}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_load_sweep_and_ladder(tmp_path):
+    sweep = evals.load_sweep(_fake_sweep(tmp_path))
+    assert sweep["formats"]["int4"]["passkey_result"].accuracy(4096) == 0.25
+    rows = {r["kv_format"]: r for r in evals.ladder(sweep, short=512, long_min=2048)}
+    assert rows["int4"]["needle_short"] == 1.0 and rows["int4"]["needle_long"] == 0.25
+    assert abs(rows["int4"]["ppl_increase"] - 0.05) < 1e-12 and rows["fp32"]["ppl_increase"] == 0
+    assert rows["fp32"]["chain"] == 0.5 and rows["int4"]["chain"] is None and rows["int4"]["kl"] == 0.2
+    with pytest.raises(KeyError, match="reference"):
+        evals.ladder(sweep, reference="bf16")
+    with pytest.raises(KeyError, match="no passkey cells"):
+        evals.ladder(sweep, short=1024)
+
+
+def test_load_sweep_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="sweep_evals"):
+        evals.load_sweep(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="formats"):
+        evals.load_sweep(tmp_path / "bad.json")

@@ -106,3 +106,17 @@ def test_quality_join_and_flags():
     assert [r["ok"] for r in rows] == [True, False]
     html = S.cost_table_html(rows)
     assert html.count("<tr>") == 3 and "below threshold" in html and "20%" in html
+
+
+def test_quality_per_context_length_join():
+    sweep = {"formats": {"int4": {"passkey": [{"length": 512, "depth": 0.0, "trials": 10, "correct": 10},
+                                             {"length": 512, "depth": 1.0, "trials": 10, "correct": 8},
+                                             {"length": 4096, "depth": 0.0, "trials": 10, "correct": 3}]},
+                         "bf16": {"passkey": [{"length": 4096, "depth": 0.0, "trials": 5, "correct": 5}]}}}
+    q = S.quality_by_length(sweep, ["bf16", "int4", "fp8_e4m3"])
+    assert q == {"bf16": {512: None, 4096: 1.0}, "int4": {512: 0.9, 4096: 0.3},
+                 "fp8_e4m3": {512: None, 4096: None}}
+    rows = S.cost_table(S.few_shot(n=30), "llama-3.1-8b", "L4", ["bf16", "int4"], quality=q, threshold=0.5)
+    assert rows[1]["ok"] == {512: True, 4096: False} and rows[0]["ok"] == {512: None, 4096: True}
+    html = S.cost_table_html(rows)
+    assert "<th>512</th><th>4096</th>" in html and html.count("color:#b00") == 1 and "30%" in html
