@@ -59,6 +59,8 @@ test: $(STAMP) browser-deps lint
 data: $(STAMP)
 	$(BIN)/python scripts/build_corpus.py
 	$(BIN)/python scripts/train_model.py
+	$(BIN)/python scripts/train_model.py --init-from data/model --continue-stages --lr 5e-4
+	$(BIN)/python scripts/eval_model.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

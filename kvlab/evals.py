@@ -258,3 +258,22 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
             "first_divergence": r["teacher"]["mean_first_divergence"],
         })
     return rows
+
+
+def smoke_test_passes(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min: float = 0.9,
+                      long_drop: float = 0.2, reference: str = "fp32") -> list[str]:
+    """Formats that pass the cheap rungs but fail the long one: the trap a short eval cannot see.
+
+    A format qualifies when its perplexity is within ``ppl_tol`` (relative) of ``reference``, its
+    short needle exact match is at least ``short_min``, and its long-context exact match is at
+    least ``long_drop`` below the reference's.
+    """
+    for name, v in (("ppl_tol", ppl_tol), ("short_min", short_min), ("long_drop", long_drop)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+    rows = {r["kv_format"]: r for r in ladder_rows}
+    if reference not in rows:
+        raise KeyError(f"reference format {reference!r} is not among the rows")
+    ref = rows[reference]["needle_long"]
+    return [n for n, r in rows.items() if r["ppl_increase"] <= ppl_tol and r["needle_short"] >= short_min
+            and r["needle_long"] <= ref - long_drop]

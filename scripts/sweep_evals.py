@@ -61,10 +61,10 @@ def main(argv=None):
     model, tok = load_model()
     max_len = 4096
     if args.quick:
-        lengths, depths, trials, fmts = [256, 1024], [0.0, 1.0], args.trials or 2, formats()[:3]
+        lengths, depths, trials, fmts = [512, 2048], [0.0, 1.0], args.trials or 2, formats()[:3]
     else:
-        lengths = [256, 512, 1024, 2048, 4096, 8192]
-        depths, trials, fmts = [0.0, 0.25, 0.5, 0.75, 1.0], args.trials or 6, formats()
+        lengths = [512, 1024, 2048, 4096, 8192]
+        depths, trials, fmts = [0.0, 0.25, 0.5, 0.75, 1.0], args.trials or 4, formats()
     t0 = time.time()
     out = {"model": "kvlab-tiny", "lengths": lengths, "depths": depths, "trials": trials,
            "machine": f"{platform.machine()} {platform.processor()} {torch.get_num_threads()} threads",

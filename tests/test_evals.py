@@ -134,3 +134,14 @@ def test_load_sweep_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="formats"):
         evals.load_sweep(tmp_path / "bad.json")
+
+
+def test_smoke_test_passes_finds_the_trap(tmp_path):
+    rows = evals.ladder(evals.load_sweep(_fake_sweep(tmp_path)), short=512, long_min=2048)
+    assert evals.smoke_test_passes(rows, ppl_tol=0.06) == ["int4"]  # +5% perplexity, 100% at 512, 25% vs 100% long
+    assert evals.smoke_test_passes(rows, ppl_tol=0.01) == []
+    assert evals.smoke_test_passes(rows, long_drop=0.8) == []
+    with pytest.raises(ValueError, match="ppl_tol"):
+        evals.smoke_test_passes(rows, ppl_tol=2)
+    with pytest.raises(KeyError, match="reference"):
+        evals.smoke_test_passes(rows, reference="bf16")
