@@ -155,5 +155,10 @@ def retrieval_head_stats(model, tok, fmt, length: int, depth: float = 0.5, seed:
         "mass_clean": float(torch.softmax(clean.double(), 0)[src]),
         "mass_measured": float(torch.softmax(noisy.double(), 0)[src]),
         "mass_predicted": needle_mass(margin, sigma, n),
+        # The same comparison in log space, informative even when the share is ~1: the log of the
+        # total distractor weight relative to the needle's, predicted ln n + σ²/2 - Δ.
+        "log_leak_predicted": math.log(n) + sigma**2 / 2 - margin,
+        "log_leak_measured": float(torch.logsumexp(torch.cat([noisy[:src], noisy[src + 1 :]]).double(), 0)
+                                   - noisy[src].double()),
         "needle_wins": bool(noisy.argmax().item() == src),
     }
