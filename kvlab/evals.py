@@ -42,11 +42,12 @@ class EvalResult:
     rows: list[dict] = field(default_factory=list)  # {length, depth, trials, correct}
     meta: dict = field(default_factory=dict)
 
-    def accuracy(self, length: int | None = None, depth: float | None = None) -> float:
+    def accuracy(self, length: int | None = None, depth: float | None = None, min_length: int | None = None) -> float:
+        """Exact match pooled over the cells that match (all of them by default)."""
         rows = [r for r in self.rows if (length is None or r["length"] == length)
-                and (depth is None or r["depth"] == depth)]
+                and (depth is None or r["depth"] == depth) and (min_length is None or r["length"] >= min_length)]
         if not rows:
-            raise KeyError(f"no cells for length={length}, depth={depth}")
+            raise KeyError(f"no cells for length={length}, depth={depth}, min_length={min_length}")
         return sum(r["correct"] for r in rows) / sum(r["trials"] for r in rows)
 
     @property
@@ -208,6 +209,16 @@ def teacher_comparison(model, tok, fmt, prompts: list[str], max_new_tokens: int 
 
 # --------------------------------------------------------------------------- the shipped sweep
 
+# The golden set of the teacher comparison in the shipped sweep (``scripts/sweep_evals.py``).
+GOLDEN_PROMPTS = [
+    "Return the number of items in a container.",
+    "The socket module provides access to the BSD socket interface.",
+    "Create a new dictionary with keys from iterable and values set to value.",
+    "If the file cannot be opened, an OSError is raised.",
+    "This module implements pseudo-random number generators for various distributions.",
+    "A pass key is a number. The pass key is 48213. Remember it. The grass grows green.",
+]
+
 SWEEP_PATH = Path(__file__).resolve().parents[1] / "data" / "results" / "eval_sweep.json"
 
 
@@ -241,23 +252,51 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
     base = fmts[reference]["perplexity"]
     rows = []
     for name, r in fmts.items():
-        pk = r["passkey_result"] if "passkey_result" in r else EvalResult("passkey", "", name, r["passkey"])
-        ch = r["chain_result"] if "chain_result" in r else EvalResult("chain2", "", name, r["chain2"])
-        long_cells = [c for c in pk.rows if c["length"] >= long_min]
-        if short not in pk.lengths or not long_cells:
-            raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens")
+        pk, ch = EvalResult("passkey", "", name, r["passkey"]), EvalResult("chain2", "", name, r["chain2"])
+        try:
+            short_acc, long_acc = pk.accuracy(short), pk.accuracy(min_length=long_min)
+        except KeyError:
+            raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens") from None
         rows.append({
             "kv_format": name,
             "bits": r["bits_per_element"],
             "ppl_increase": r["perplexity"] / base - 1,
-            "needle_short": pk.accuracy(short),
-            "needle_long": sum(c["correct"] for c in long_cells) / sum(c["trials"] for c in long_cells),
+            "needle_short": short_acc,
+            "needle_long": long_acc,
             "chain": ch.accuracy() if ch.rows else None,
             "kl": r["teacher"]["kl"],
             "top1": r["teacher"]["top1_agreement"],
             "first_divergence": r["teacher"]["mean_first_divergence"],
         })
     return rows
+
+
+_LADDER_COLUMNS = {"bits": "{:.2f}", "ppl_increase": "{:+.1%}", "needle_short": "{:.0%}", "needle_long": "{:.0%}",
+                   "chain": "{:.0%}", "kl": "{:.4f}", "top1": "{:.1%}", "first_divergence": "{:.1f}"}
+
+
+def ladder_markdown(ladder_rows: list[dict]) -> str:
+    """:func:`ladder` rows as a Markdown table (a dash where a rung was not measured)."""
+    cols = list(_LADDER_COLUMNS)
+    head = "| format | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols) + "\n"
+    return head + "\n".join(
+        f"| {r['kv_format']} | " + " | ".join("—" if r[c] is None else _LADDER_COLUMNS[c].format(r[c]) for c in cols)
+        + " |" for r in ladder_rows)
+
+
+def cell_agreement(sweep: dict, reference: str = "fp32", tol: float = 0.25) -> float:
+    """Fraction of all formats' passkey cells within ``tol`` of the reference format's same cell."""
+    fmts = sweep["formats"]
+    if reference not in fmts:
+        raise KeyError(f"reference format {reference!r} is not in the sweep")
+    ref = EvalResult("passkey", "", reference, fmts[reference]["passkey"])
+    diffs = []
+    for name, r in fmts.items():
+        res = EvalResult("passkey", "", name, r["passkey"])
+        diffs += [abs(res.accuracy(c["length"], c["depth"]) - ref.accuracy(c["length"], c["depth"])) for c in r["passkey"]]
+    if not diffs:
+        raise ValueError("the sweep has no passkey cells")
+    return sum(d <= tol for d in diffs) / len(diffs)
 
 
 def smoke_test_passes(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min: float = 0.9,

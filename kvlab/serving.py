@@ -490,19 +490,6 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0
     return rows
 
 
-def long_context_quality(sweep: dict, formats, min_length: int = 2048) -> dict[str, float | None]:
-    """Passkey exact match at contexts >= ``min_length`` per format, from chapter 4's ``eval_sweep.json``.
-
-    Formats the sweep did not measure (or measured at no such length) map to None.
-    """
-    out = {}
-    for fmt in formats:
-        cells = [c for c in sweep.get("formats", {}).get(str(fmt), {}).get("passkey", []) if c["length"] >= min_length]
-        trials = sum(c["trials"] for c in cells)
-        out[str(fmt)] = sum(c["correct"] for c in cells) / trials if trials else None
-    return out
-
-
 def quality_by_length(sweep: dict, formats) -> dict[str, dict[int, float | None]]:
     """Passkey exact match per format and context length, from chapter 4's ``eval_sweep.json``.
 

@@ -121,6 +121,7 @@ def retrieval_head_stats(model, tok, fmt, length: int, depth: float = 0.5, seed:
     import random
 
     from . import models, tasks
+    from .metrics import attention_logits
     from .quant import quantize_kv
 
     ex = tasks.passkey(tok, length, depth, random.Random(f"{seed}-{length}-{depth}"))
@@ -132,11 +133,8 @@ def retrieval_head_stats(model, tok, fmt, length: int, depth: float = 0.5, seed:
     src = ex.needle_start + next(i for i, t in enumerate(needle) if t == ex.answer_ids[step])
     cap = models.capture(model, torch.tensor([ids]))
 
-    def logits(layer, keys):
-        q = cap.queries[layer][0, :, pos]  # [Hq, D]
-        k = keys[0]  # [Hkv, T, D]
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
-        return torch.einsum("hd,htd->ht", q.float(), k.float()) * cap.scaling[layer]
+    def logits(layer, keys):  # [Hq, T]: the query at ``pos`` against every key
+        return attention_logits(cap.queries[layer][:, :, pos : pos + 1], keys, cap.scaling[layer])[0, :, 0]
 
     if layer_head is None:
         best = max(((li, h, torch.softmax(logits(li, cap.keys[li]), -1)[h, src].item())

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvlab import evals  # noqa: E402
 from kvlab.formats import get_format  # noqa: E402
-from kvlab.models import load_model  # noqa: E402
+from kvlab.models import MODEL_DIR, load_model  # noqa: E402
 
 
 def formats():
@@ -42,14 +42,6 @@ def formats():
     ]
 
 
-GOLDEN = [
-    "Return the number of items in a container.",
-    "The socket module provides access to the BSD socket interface.",
-    "Create a new dictionary with keys from iterable and values set to value.",
-    "If the file cannot be opened, an OSError is raised.",
-    "This module implements pseudo-random number generators for various distributions.",
-    "A pass key is a number. The pass key is 48213. Remember it. The grass grows green.",
-]
 
 
 def main(argv=None):
@@ -59,7 +51,8 @@ def main(argv=None):
     p.add_argument("--trials", type=int, default=None)
     args = p.parse_args(argv)
     model, tok = load_model()
-    max_len = 4096
+    train = json.loads((MODEL_DIR / "training.json").read_text())
+    max_len = max(st["seq_len"] for run in (train, train.get("previous", train)) for st in run["stages"])
     if args.quick:
         lengths, depths, trials, fmts = [512, 2048], [0.0, 1.0], args.trials or 2, formats()[:3]
     else:
@@ -81,7 +74,7 @@ def main(argv=None):
             "perplexity": evals.perplexity(model, tok, fmt, max_windows=4 if args.quick else 16),
             "passkey": pk.rows,
             "chain2": ch.rows,
-            "teacher": evals.teacher_comparison(model, tok, fmt, GOLDEN[:2] if args.quick else GOLDEN,
+            "teacher": evals.teacher_comparison(model, tok, fmt, evals.GOLDEN_PROMPTS[:2] if args.quick else evals.GOLDEN_PROMPTS,
                                                 max_new_tokens=24),
             "seconds": round(time.time() - t, 1),
         }

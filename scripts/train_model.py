@@ -189,6 +189,23 @@ def weighted_loss(model, x, w):
     return (nll * wt).sum() / wt.sum()
 
 
+def train_step(model, opt, x, w, device) -> torch.Tensor:
+    """One optimizer step on the weighted loss, gradients clipped to norm 1; returns the loss."""
+    loss = weighted_loss(model, x.to(device), w.to(device))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+def save_checkpoint(model, tok, out: Path) -> None:
+    """Model and tokenizer under ``out/checkpoint`` (removed when the run finishes)."""
+    (out / "checkpoint").mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out / "checkpoint", safe_serialization=True)
+    tok.save_pretrained(out / "checkpoint")
+
+
 @torch.no_grad()
 def heldout_ppl(model, ids, length=256, max_windows=64):
     model.eval()
@@ -292,12 +309,7 @@ def main(argv=None):
     w_len, w_batch, w_steps = (WARMUP[0], 4, 10) if args.quick else WARMUP
     if args.init_from is None:  # the schedule below starts after the warm-up, which runs at the full rate
         for i in range(w_steps):
-            x, w = fixed_repeat_batch(len(tok), w_len, w_batch, gen)
-            loss = weighted_loss(model, x.to(device), w.to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            loss = train_step(model, opt, *fixed_repeat_batch(len(tok), w_len, w_batch, gen), device)
             if (i + 1) % 25 == 0:
                 curve.append({"step": i + 1, "seq_len": w_len, "warmup": True, "loss": round(loss.item(), 4),
                               "elapsed_s": round(time.time() - t0, 1)})
@@ -309,12 +321,7 @@ def main(argv=None):
     )
     for si, (length, batch, steps) in enumerate(stages):
         for _ in range(steps):
-            x, w = make_batch(tok, corpus_ids, length, batch, rng)
-            loss = weighted_loss(model, x.to(device), w.to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            loss = train_step(model, opt, *make_batch(tok, corpus_ids, length, batch, rng), device)
             sched.step()
             step += 1
             if si == 0 and step % 100 == 0:  # watch the copy skill appear; move on once it has
@@ -323,8 +330,7 @@ def main(argv=None):
                 print(f"  step {step}: passkey@{length} = {acc:.2f} (per answer token {per_tok}), "
                       f"repeat-copy accuracy {copy:.2f}", flush=True)
                 if not args.quick:
-                    model.save_pretrained(args.out / "checkpoint", safe_serialization=True)
-                    tok.save_pretrained(args.out / "checkpoint")
+                    save_checkpoint(model, tok, args.out)
                 if acc >= STAGE1_TARGET and not args.quick:
                     break
             if step % 25 == 0 or step == total:
@@ -335,9 +341,7 @@ def main(argv=None):
         print(f"stage {length}: passkey@{length} = {acc:.2f}  ({time.time() - t0:.0f}s)", flush=True)
         stage_log.append({"seq_len": length, "step": step, "passkey_exact_match": acc})
         if not args.quick:  # a checkpoint per stage, so a long run can be inspected or resumed
-            (args.out / "checkpoint").mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(args.out / "checkpoint", safe_serialization=True)
-            tok.save_pretrained(args.out / "checkpoint")
+            save_checkpoint(model, tok, args.out)
 
     model = model.cpu().eval()
     metrics = {

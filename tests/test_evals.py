@@ -145,3 +145,25 @@ def test_smoke_test_passes_finds_the_trap(tmp_path):
         evals.smoke_test_passes(rows, ppl_tol=2)
     with pytest.raises(KeyError, match="reference"):
         evals.smoke_test_passes(rows, reference="bf16")
+
+
+def test_accuracy_pools_cells_from_a_minimum_length():
+    res = evals.EvalResult("passkey", "m", "int4", [
+        {"length": 512, "depth": 0.0, "trials": 10, "correct": 10},
+        {"length": 4096, "depth": 0.0, "trials": 10, "correct": 3},
+        {"length": 8192, "depth": 0.5, "trials": 10, "correct": 1}])
+    assert res.accuracy(min_length=2048) == 0.2 and res.accuracy(min_length=8192, depth=0.5) == 0.1
+    with pytest.raises(KeyError, match="min_length=16384"):
+        res.accuracy(min_length=16384)
+
+
+def test_ladder_markdown_and_cell_agreement(tmp_path):
+    sweep = evals.load_sweep(_fake_sweep(tmp_path))
+    md = evals.ladder_markdown(evals.ladder(sweep))
+    lines = md.splitlines()
+    assert lines[0].startswith("| format | bits | ppl_increase") and len(lines) == 4
+    assert "| int4 | 4.50 | +5.0% | 100% | 25% | — | 0.2000 |" in md
+    # int4 differs from fp32 by 0.75 in both long cells: 4 of 6 cells agree within 0.25, all within 0.75
+    assert evals.cell_agreement(sweep, tol=0.25) == 4 / 6 and evals.cell_agreement(sweep, tol=0.75) == 1.0
+    with pytest.raises(KeyError, match="reference"):
+        evals.cell_agreement(sweep, reference="bf16")

@@ -94,13 +94,8 @@ def test_cli(capsys):
     assert out["requests"] == 50 and 0 <= out["hit_rate"] <= 1 and out["cost_per_million_output_tokens"] > 0
 
 
-def test_quality_join_and_flags():
-    sweep = {"formats": {"int4": {"passkey": [{"length": 512, "trials": 10, "correct": 10},
-                                             {"length": 4096, "trials": 10, "correct": 3},
-                                             {"length": 8192, "trials": 10, "correct": 1}]},
-                         "bf16": {"passkey": [{"length": 4096, "trials": 5, "correct": 5}]}}}
-    q = S.long_context_quality(sweep, ["bf16", "int4", "fp8_e4m3"])
-    assert q == {"bf16": 1.0, "int4": 0.2, "fp8_e4m3": None}
+def test_cost_table_flags_one_score_per_format():
+    q = {"bf16": 1.0, "int4": 0.2, "fp8_e4m3": None}  # one score per format: the pooled long-context quality
     reqs = S.few_shot(n=30)
     rows = S.cost_table(reqs, "llama-3.1-8b", "L4", ["bf16", "int4"], quality=q, threshold=0.9)
     assert [r["ok"] for r in rows] == [True, False]

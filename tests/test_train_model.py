@@ -55,3 +55,17 @@ def test_make_batch_shapes_and_answer_weights(tm, tok):
     assert any((row[-3:] == 5.0).all() and row[-4] == 0.1 for row in w)  # a passkey row: the answer weighted
     ex = tasks.passkey(tok, 253, 0.5, random.Random(1))
     assert len(ex.answer_ids) == 3  # space + 3 digits + 2 digits: the rows assume it
+
+
+def test_quick_run_writes_a_loadable_model_and_its_record(tm, tmp_path):
+    import json
+
+    from kvlab.models import load_model
+
+    tm.main(["--quick", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "training.json").read_text())
+    assert record["warmup"] == {"seq_len": 128, "batch": 4, "steps": 10}
+    assert [st["seq_len"] for st in record["stages"]] == [128, 256] and record["curve"]
+    assert not (tmp_path / "checkpoint").exists()
+    model, tok = load_model(tmp_path)
+    assert model.config.vocab_size == len(tok) == 4096
