@@ -30,6 +30,8 @@ False, the first call returns the incoming states untouched, as
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -47,49 +49,84 @@ def _token_dim(q: Quantizer) -> int | None:
 
 
 class _Store:
-    """The quantized body of K or V for one layer: appendable codes, scales, zeros."""
+    """The quantized body of K or V for one layer: appendable codes, scales, zeros.
+
+    Appends are kept as a list of chunks and merged into one :class:`QTensor`
+    only when someone reads :attr:`qt` (the fused kernel, or ``nbytes``), so a
+    decode step never re-copies the whole store.
+    """
 
     def __init__(self, q: Quantizer, rotate: bool):
         self.q, self.rotate = q, rotate
-        self.qt: QTensor | None = None
+        self._chunks: list[QTensor] = []
         self.tokens = 0
 
     @property
     def chunk(self) -> int:
         return self.q.group_size if (self.q.granularity == "group" and self.q.group_axis == "token") else 1
 
-    def append(self, x: torch.Tensor) -> None:
-        if x.shape[-2] == 0:
-            return
+    @property
+    def qt(self) -> QTensor | None:
+        """Everything stored, as one QTensor (chunks merged on first read after an append)."""
+        if len(self._chunks) > 1:
+            td = _token_dim(self.q)
+            first = self._chunks[0]
+            cat = lambda ts: torch.cat(ts, dim=td) if td is not None else ts[0]
+            shape = (*first.shape[:-2], self.tokens, first.shape[-1])
+            self._chunks = [QTensor(
+                torch.cat([c.data for c in self._chunks], dim=-2),
+                None if first.scale is None else cat([c.scale for c in self._chunks]),
+                None if first.zero is None else cat([c.zero for c in self._chunks]),
+                shape, self.q, first.dtype)]
+        return self._chunks[0] if self._chunks else None
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantize and store ``x``; return what the cache now holds for it, dequantized."""
         if self.rotate:
             x = (x.float() @ hadamard(x.shape[-1], device=x.device)).to(x.dtype)
-        frozen = self.qt is not None and _token_dim(self.q) is None
-        new = quantize(x, self.q, scale=self.qt.scale if frozen else None,
-                       zero=self.qt.zero if frozen else None)
-        if self.qt is None:
-            self.qt = new
-        else:
-            td = _token_dim(self.q)
-            cat = lambda a, b: torch.cat([a, b], dim=td) if td is not None else a
-            old = self.qt
-            shape = (*old.shape[:-2], old.shape[-2] + new.shape[-2], old.shape[-1])
-            self.qt = QTensor(torch.cat([old.data, new.data], dim=-2),
-                              None if old.scale is None else cat(old.scale, new.scale),
-                              None if old.zero is None else cat(old.zero, new.zero),
-                              shape, self.q, old.dtype)
+        frozen = self._chunks[0] if self._chunks and _token_dim(self.q) is None else None
+        new = quantize(x, self.q, scale=frozen.scale if frozen else None, zero=frozen.zero if frozen else None)
+        self._chunks.append(new)
         self.tokens += x.shape[-2]
-
-    def dequantized(self) -> torch.Tensor | None:
-        if self.qt is None:
-            return None
-        x = dequantize(self.qt)
+        out = dequantize(new)
         if self.rotate:
-            x = (x.float() @ hadamard(x.shape[-1], device=x.device).T).to(x.dtype)
-        return x
+            out = (out.float() @ hadamard(out.shape[-1], device=out.device).T).to(out.dtype)
+        return out
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.qt is None else self.qt.nbytes
+        if not self._chunks:
+            return 0
+        if _token_dim(self.q) is None:  # one frozen scale shared by every chunk
+            first = self._chunks[0]
+            meta = sum(t.numel() * t.element_size() for t in (first.scale, first.zero) if t is not None)
+            return meta + sum(c.data.numel() * c.data.element_size() for c in self._chunks)
+        return sum(c.nbytes for c in self._chunks)
+
+
+class _Mirror:
+    """What unfused attention reads: every token of the layer, in full precision, at its position.
+
+    Sinks and residual tokens are written as they arrive; when tokens move from the
+    residual into the quantized body, their slots are overwritten with the
+    dequantized values. Capacity grows geometrically, so an append costs O(new tokens).
+    """
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def write(self, start: int, x: torch.Tensor) -> None:
+        end = start + x.shape[-2]
+        if self.buf is None or end > self.buf.shape[-2]:
+            cap = max(end, 2 * (0 if self.buf is None else self.buf.shape[-2]), 64)
+            new = x.new_empty((*x.shape[:-2], cap, x.shape[-1]))
+            if self.buf is not None:
+                new[..., : self.buf.shape[-2], :] = self.buf
+            self.buf = new
+        self.buf[..., start:end, :] = x.to(self.buf.dtype)
+
+    def view(self, n: int) -> torch.Tensor:
+        return self.buf[..., :n, :]
 
 
 class KVQuantLayer(DynamicLayer):
@@ -106,6 +143,7 @@ class KVQuantLayer(DynamicLayer):
         self.k_store = _Store(self.fmt.key, self.fmt.rotate)
         self.v_store = _Store(self.fmt.value, self.fmt.rotate)
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
+        self.mirror_k, self.mirror_v = _Mirror(), _Mirror()
 
     def lazy_initialization(self, key_states, value_states):
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -119,6 +157,7 @@ class KVQuantLayer(DynamicLayer):
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)
+        start = self.cumulative_length
         self.cumulative_length += key_states.shape[-2]
         k, v = key_states, value_states
         # 1. the first `sinks` tokens stay in full precision
@@ -130,6 +169,8 @@ class KVQuantLayer(DynamicLayer):
         # 2. everything else enters the residual; the overflow is quantized in whole chunks
         self.res_k = torch.cat([self.res_k, k], dim=-2)
         self.res_v = torch.cat([self.res_v, v], dim=-2)
+        self.mirror_k.write(start, key_states)
+        self.mirror_v.write(start, value_states)
         self._flush()
         if (first and not self.quantize_prefill) or (self.fused and key_states.shape[-2] == 1 and not first):
             return key_states, value_states  # fused decode: attend() reads the stored codes instead
@@ -141,16 +182,15 @@ class KVQuantLayer(DynamicLayer):
         n = over // chunk * chunk
         if n <= 0:
             return
-        self.k_store.append(self.res_k[..., :n, :])
-        self.v_store.append(self.res_v[..., :n, :])
+        at = self.sink_k.shape[-2] + self.k_store.tokens  # position of the first flushed token
+        self.mirror_k.write(at, self.k_store.append(self.res_k[..., :n, :]))
+        self.mirror_v.write(at, self.v_store.append(self.res_v[..., :n, :]))
         self.res_k, self.res_v = self.res_k[..., n:, :], self.res_v[..., n:, :]
 
     def _gather(self):
-        parts_k = [self.sink_k, self.k_store.dequantized(), self.res_k]
-        parts_v = [self.sink_v, self.v_store.dequantized(), self.res_v]
-        keys = torch.cat([p.to(self.dtype) for p in parts_k if p is not None], dim=-2)
-        values = torch.cat([p.to(self.dtype) for p in parts_v if p is not None], dim=-2)
-        return keys, values
+        """All keys and values, as attention reads them: sinks, dequantized body, residual."""
+        n = self.cumulative_length
+        return self.mirror_k.view(n).to(self.dtype), self.mirror_v.view(n).to(self.dtype)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -169,7 +209,7 @@ class KVQuantLayer(DynamicLayer):
         from .kernels.decode_attention import decode_attention, from_qtensor
 
         parts = []
-        if self.k_store.qt is not None:
+        if self.k_store.tokens:
             kq, vq = from_qtensor(self.k_store.qt), from_qtensor(self.v_store.qt)
             qr = q
             if self.fmt.rotate:  # stored K' = K H, so q.k = (q H).(K H); V' = V H, undone on the output
@@ -199,6 +239,18 @@ class KVQuantLayer(DynamicLayer):
         return full + self.k_store.nbytes + self.v_store.nbytes
 
 
+class _LayerFactory:
+    """Makes a cache's layers on demand. Holds the cache weakly: a closure over the cache would be a
+    reference cycle, freed only by the garbage collector, so sweeps would pile up dead caches."""
+
+    def __init__(self, cache: KVQuantCache):
+        self.cache = weakref.ref(cache)
+
+    def __call__(self) -> KVQuantLayer:
+        c = self.cache()
+        return KVQuantLayer(c.fmt, c.quantize_prefill, c._fused)
+
+
 class KVQuantCache(Cache):
     """A ``transformers`` cache storing K and V in a kvlab format.
 
@@ -213,12 +265,31 @@ class KVQuantCache(Cache):
         if not isinstance(quantize_prefill, bool):
             raise TypeError(f"quantize_prefill must be a bool, got {quantize_prefill!r}")
         self._fused = False
+        self.quantize_prefill = quantize_prefill
         if num_layers is None:
-            super().__init__(layer_class_to_replicate=lambda: KVQuantLayer(self.fmt, quantize_prefill, self._fused))
+            super().__init__(layer_class_to_replicate=_LayerFactory(self))
         else:
             if not isinstance(num_layers, int) or num_layers < 1:
                 raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
             super().__init__(layers=[KVQuantLayer(self.fmt, quantize_prefill) for _ in range(num_layers)])
+
+    @classmethod
+    def from_prefill(cls, fmt: str | KVFormat, prefill) -> KVQuantCache:
+        """A cache in ``fmt`` holding the K and V of a full-precision prefill.
+
+        ``prefill`` is a ``transformers`` cache (e.g. the ``DynamicCache`` a forward
+        pass filled). This is how a serving engine stores a fresh prompt: attention
+        during the prefill used the full-precision K and V, and only the stored copy
+        is quantized; every later decode step reads it back. One prefill can fill
+        caches in many formats.
+        """
+        layers = getattr(prefill, "layers", None)
+        if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
+            raise ValueError("prefill must be a transformers cache that a forward pass has filled")
+        cache = cls(fmt, quantize_prefill=False)
+        for i, layer in enumerate(layers):
+            cache.update(layer.keys, layer.values, i)
+        return cache
 
     @property
     def nbytes(self) -> int:

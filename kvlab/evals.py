@@ -87,83 +87,191 @@ class EvalResult:
 
 # --------------------------------------------------------------------------- helpers
 
+PREFILL_MODES = ("full", "cached")
+HAYSTACKS = ("filler", "prose")
+
+
+def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a proportion (95% by default): ``(low, high)``."""
+    if not isinstance(trials, int) or trials < 1 or not 0 <= correct <= trials:
+        raise ValueError(f"need 0 <= correct <= trials and trials >= 1, got {correct}/{trials}")
+    p, n = correct / trials, trials
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, mid - half), min(1.0, mid + half)
+
 
 def _check_args(lengths, depths, trials):
-    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+    if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths):
         raise ValueError(f"lengths must be positive integers, got {lengths!r}")
     if not depths or any(not isinstance(d, int | float) or not 0 <= d <= 1 for d in depths):
         raise ValueError(f"depths must be numbers in [0, 1], got {depths!r}")
-    if not isinstance(trials, int) or trials < 1:
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise ValueError(f"trials must be a positive integer, got {trials!r}")
+
+
+def _check_mode(prefill, haystack="filler"):
+    if prefill not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack must be one of {HAYSTACKS}, got {haystack!r}")
 
 
 def _model_name(model) -> str:
     return getattr(model.config, "_name_or_path", "") or model.config.model_type
 
 
+def _device(model):
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
-def greedy_through_cache(model, input_ids: torch.Tensor, fmt: str | KVFormat, n_new: int) -> torch.Tensor:
-    """Prefill ``input_ids`` ``[batch, tokens]`` into a fresh kvlab cache, then decode ``n_new`` tokens greedily."""
-    cache = KVQuantCache(fmt)
-    dev = next(model.parameters()).device
-    out = model(input_ids.to(dev), past_key_values=cache, use_cache=True)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+def prefill(model, input_ids: torch.Tensor):
+    """Full-precision prefill: ``(DynamicCache, logits of the last position)``, shared by every format."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config) if hasattr(model.config, "num_hidden_layers") else DynamicCache()
+    try:
+        out = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    except TypeError:  # a model without logits_to_keep
+        out = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True)
+    return cache, out.logits[:, -1]
+
+
+@torch.no_grad()
+def decode(model, cache, first_logits: torch.Tensor, n_new: int, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy decoding of ``n_new`` tokens from ``cache``, the first picked from ``first_logits``.
+
+    With ``targets`` (``[batch, n_new]``), stops early once every row has left its
+    target (exact match is already lost), padding the rest with -1.
+    """
+    nxt = first_logits.argmax(-1, keepdim=True)
     new = [nxt]
-    for _ in range(n_new - 1):
+    for i in range(n_new - 1):
+        if targets is not None and not (torch.cat(new, 1) == targets[:, : i + 1].to(nxt.device)).all(1).any():
+            new += [torch.full_like(nxt, -1)] * (n_new - 1 - i)
+            break
         out = model(nxt, past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         new.append(nxt)
     return torch.cat(new, dim=1).cpu()
 
 
-def _sweep(task, make, model, tok, fmt, lengths, depths, trials, seed, batch_size, progress):
+@torch.no_grad()
+def greedy_through_cache(model, input_ids: torch.Tensor, fmt: str | KVFormat, n_new: int,
+                         prefill_mode: str = "full") -> torch.Tensor:
+    """Prefill ``input_ids`` ``[batch, tokens]`` and decode ``n_new`` tokens greedily from a kvlab cache.
+
+    ``prefill_mode="full"`` (what vLLM and ``transformers``' ``QuantizedCache`` do with
+    a fresh prompt): the prompt attends over full-precision K and V and only the stored
+    copy is quantized; every generated token reads the quantized cache.
+    ``"cached"``: the prompt's own attention already reads the quantized cache, as in
+    chunked prefill where each chunk reads the earlier ones back from the cache
+    (at its harshest, one token a chunk).
+    """
+    _check_mode(prefill_mode)
+    return _generate(model, input_ids, [get_format(fmt)], n_new, prefill_mode)[get_format(fmt).name]
+
+
+def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None) -> dict[str, torch.Tensor]:
+    """Greedy answers for every format from one prompt batch (one shared prefill in ``"full"`` mode)."""
+    out = {}
+    if prefill_mode == "full":
+        dyn, first = prefill(model, input_ids)
+        for f in fmts:
+            out[f.name] = decode(model, KVQuantCache.from_prefill(f, dyn), first, n_new, targets)
+        return out
+    for f in fmts:
+        cache = KVQuantCache(f, quantize_prefill=True)
+        logits = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True).logits[:, -1]
+        out[f.name] = decode(model, cache, logits, n_new, targets)
+    return out
+
+
+def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_size, progress, prefill_mode,
+            meta=None) -> dict[str, EvalResult]:
     _check_args(lengths, depths, trials)
-    fmt = get_format(fmt)
-    res = EvalResult(task, _model_name(model), fmt.name, meta={"trials": trials, "seed": seed})
+    _check_mode(prefill_mode)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    fmts = [get_format(f) for f in ([fmts] if isinstance(fmts, str | KVFormat) else fmts)]
+    if not fmts:
+        raise ValueError("give at least one KV format")
+    info = {"trials": trials, "seed": seed, "prefill": prefill_mode} | (meta or {})
+    res = {f.name: EvalResult(task, _model_name(model), f.name, meta=dict(info)) for f in fmts}
     t0 = time.time()
     cells = [(n, d) for n in lengths for d in depths]
-    for n, d in tqdm(cells, desc=f"{task} {fmt.name}", disable=not progress, leave=False):
+    for n, d in tqdm(cells, desc=f"{task} x {len(fmts)} formats", disable=not progress, leave=False):
         rng = random.Random(f"{seed}-{n}-{d}")  # same prompts for every format
         exs = [make(tok, n, d, rng) for _ in range(trials)]
-        correct = 0
+        correct = dict.fromkeys(res, 0)
         for i in range(0, trials, batch_size):
             chunk = exs[i : i + batch_size]
             ids = torch.tensor([e.input_ids for e in chunk])
             n_new = max(len(e.answer_ids) for e in chunk)
-            gen = greedy_through_cache(model, ids, fmt, n_new)
-            correct += sum(gen[j, : len(e.answer_ids)].tolist() == e.answer_ids for j, e in enumerate(chunk))
-        res.rows.append({"length": n, "depth": float(d), "trials": trials, "correct": correct})
-    res.meta["seconds"] = round(time.time() - t0, 1)
+            want = torch.tensor([e.answer_ids + [-2] * (n_new - len(e.answer_ids)) for e in chunk])
+            for name, gen in _generate(model, ids, fmts, n_new, prefill_mode, want).items():
+                correct[name] += sum(gen[j, : len(e.answer_ids)].tolist() == e.answer_ids for j, e in enumerate(chunk))
+        for name, r in res.items():
+            r.rows.append({"length": n, "depth": float(d), "trials": trials, "correct": correct[name]})
+    for r in res.values():
+        r.meta["seconds"] = round(time.time() - t0, 1)
     return res
+
+
+def passkey_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(0.0, 0.5, 1.0), trials=5, seed=0,
+                   batch_size=5, progress=True, prefill="full", haystack="filler") -> dict[str, EvalResult]:
+    """Needle-in-a-haystack exact match for several formats on the same prompts: ``{format: EvalResult}``.
+
+    In ``prefill="full"`` mode one full-precision prefill per prompt batch serves every
+    format (see :func:`greedy_through_cache`). ``haystack="prose"`` cuts the haystack from
+    held-out text instead of repeating filler sentences.
+    """
+    _check_mode(prefill, haystack)
+    hay = tasks.prose_tokens(tok) if haystack == "prose" else None
+    return _sweeps("passkey", lambda t, n, d, r: tasks.passkey(t, n, d, r, haystack=hay), model, tok, fmts,
+                   list(lengths), list(depths), trials, seed, batch_size, progress, prefill, {"haystack": haystack})
 
 
 def passkey_sweep(model, tok, fmt="bf16", lengths=(512, 1024, 2048), depths=(0.0, 0.5, 1.0), trials=5,
-                  seed=0, batch_size=8, progress=True) -> EvalResult:
-    """Needle-in-a-haystack exact match over lengths x depths (the same prompts for every format)."""
-    return _sweep("passkey", lambda t, n, d, r: tasks.passkey(t, n, d, r), model, tok, fmt,
-                  list(lengths), list(depths), trials, seed, batch_size, progress)
+                  seed=0, batch_size=5, progress=True, prefill="full", haystack="filler") -> EvalResult:
+    """Needle-in-a-haystack exact match over lengths x depths for one format (see :func:`passkey_sweeps`)."""
+    return next(iter(passkey_sweeps(model, tok, [fmt], lengths, depths, trials, seed, batch_size, progress,
+                                    prefill, haystack).values()))
+
+
+def chain_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(1.0,), hops=2, trials=5, seed=0,
+                 batch_size=5, progress=True, prefill="full") -> dict[str, EvalResult]:
+    """Multi-hop variable tracking for several formats; ``depths`` here is how far into the context the links spread."""
+    if any(not isinstance(d, int | float) or d <= 0 for d in depths):
+        raise ValueError(f"chain depths are spreads and must be > 0, got {depths!r}")
+    res = _sweeps(f"chain{hops}", lambda t, n, d, r: tasks.variable_chain(t, n, d, r, hops=hops), model, tok,
+                  fmts, list(lengths), list(depths), trials, seed, batch_size, progress, prefill, {"hops": hops})
+    return res
 
 
 def chain_sweep(model, tok, fmt="bf16", lengths=(512, 1024, 2048), depths=(1.0,), hops=2, trials=5,
-                seed=0, batch_size=8, progress=True) -> EvalResult:
-    """Multi-hop variable tracking; ``depths`` here is how far into the context the links spread."""
-    if any(d <= 0 for d in depths):
-        raise ValueError("chain depths are spreads and must be > 0")
-    res = _sweep(f"chain{hops}", lambda t, n, d, r: tasks.variable_chain(t, n, d, r, hops=hops), model, tok,
-                 fmt, list(lengths), list(depths), trials, seed, batch_size, progress)
-    res.meta["hops"] = hops
-    return res
+                seed=0, batch_size=5, progress=True, prefill="full") -> EvalResult:
+    """Multi-hop variable tracking for one format (see :func:`chain_sweeps`)."""
+    return next(iter(chain_sweeps(model, tok, [fmt], lengths, depths, hops, trials, seed, batch_size, progress,
+                                  prefill).values()))
 
 
 @torch.no_grad()
 def perplexity(model, tok, fmt="bf16", text: str | None = None, window: int = 512, max_windows: int = 16) -> float:
-    """Held-out perplexity with every window's attention reading the quantized cache."""
+    """Held-out perplexity with every token's attention reading the quantized cache.
+
+    Each window runs in ``prefill="cached"`` mode: every token attends over the
+    dequantized cache, its own K and V included, exactly as if the window had been
+    decoded one token at a time (teacher forcing). A full-precision prefill would
+    leave perplexity untouched by the format, which is why this rung cannot use it.
+    """
     if text is None:
         import gzip
 
-        from .models import MODEL_DIR
+        from .models import DATA_DIR
 
-        text = gzip.open(MODEL_DIR.parent / "corpus" / "heldout.txt.gz", "rt").read()
+        text = gzip.open(DATA_DIR / "corpus" / "heldout.txt.gz", "rt").read()
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) < window + 1:
         raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")
@@ -171,40 +279,74 @@ def perplexity(model, tok, fmt="bf16", text: str | None = None, window: int = 51
     nll, count = 0.0, 0
     for s in range(0, len(ids) - window, window)[:max_windows]:
         x = torch.tensor([ids[s : s + window]], device=dev)
-        logits = model(x, past_key_values=KVQuantCache(fmt), use_cache=True).logits[0, :-1].float()
+        logits = model(x, past_key_values=KVQuantCache(fmt, quantize_prefill=True), use_cache=True).logits[0, :-1].float()
         nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
         count += window - 1
     return math.exp(nll / count)
 
 
 @torch.no_grad()
-def teacher_comparison(model, tok, fmt, prompts: list[str], max_new_tokens: int = 32, teacher_fmt="fp32") -> dict:
-    """Side by side with the full-precision teacher on a golden set of prompts.
+def teacher_comparisons(model, tok, fmts, prompts: list, max_new_tokens: int = 32, teacher_fmt="fp32",
+                        progress: bool = False) -> dict[str, dict]:
+    """Side by side with the full-precision teacher on a golden set, for several formats at once.
 
-    The teacher generates greedily; the student (same weights, quantized cache)
-    is scored on the teacher's tokens (teacher forcing): mean per-token KL
-    divergence KL(teacher || student), top-1 agreement, and — from the student's
-    own greedy generation — the first position where it departs from the teacher.
+    Each prompt (a string or a list of token ids) is prefilled once in full
+    precision, as a server does. The teacher (``teacher_fmt`` cache) generates
+    greedily; each student (same weights, same prefill, cache in its format) is
+    scored on the teacher's tokens (teacher forcing): mean per-token KL divergence
+    KL(teacher || student), top-1 agreement, and — from the student's own greedy
+    generation — the first position where it departs from the teacher. The first
+    generated token comes from the shared prefill, so it always agrees; KL and top-1
+    average over the tokens that read the cache.
     """
-    if not prompts:
-        raise ValueError("prompts must be a non-empty list of strings")
-    kls, agree, firsts = [], [], []
-    dev = next(model.parameters()).device
-    for p in prompts:
-        ids = torch.tensor([tok.encode(p, add_special_tokens=False)])
-        teacher = greedy_through_cache(model, ids, teacher_fmt, max_new_tokens)
-        full = torch.cat([ids, teacher], dim=1).to(dev)
-        lt = model(full, past_key_values=KVQuantCache(teacher_fmt), use_cache=True).logits[0, ids.shape[1] - 1 : -1]
-        ls = model(full, past_key_values=KVQuantCache(fmt), use_cache=True).logits[0, ids.shape[1] - 1 : -1]
-        pt, log_ps = torch.log_softmax(lt.float(), -1), torch.log_softmax(ls.float(), -1)
-        kls.append((pt.exp() * (pt - log_ps)).sum(-1).mean().item())
-        agree.append((lt.argmax(-1) == ls.argmax(-1)).float().mean().item())
-        student = greedy_through_cache(model, ids, fmt, max_new_tokens)[0]
-        diff = (student != teacher[0]).nonzero()
-        firsts.append(int(diff[0]) if len(diff) else max_new_tokens)
-    return {"kv_format": get_format(fmt).name, "kl": sum(kls) / len(kls), "top1_agreement": sum(agree) / len(agree),
-            "first_divergence": firsts, "mean_first_divergence": sum(firsts) / len(firsts),
-            "max_new_tokens": max_new_tokens}
+    if not prompts or not isinstance(prompts, list | tuple):
+        raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be an integer >= 2, got {max_new_tokens!r}")
+    fmts = [get_format(f) for f in ([fmts] if isinstance(fmts, str | KVFormat) else fmts)]
+    teacher_fmt = get_format(teacher_fmt)
+    acc = {f.name: {"kl": [], "agree": [], "first": []} for f in fmts}
+    dev, lens = _device(model), []
+    for p in tqdm(prompts, desc="teacher", disable=not progress, leave=False):
+        ids = torch.tensor([tok.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)])
+        lens.append(ids.shape[1])
+        dyn, first = prefill(model, ids)
+        teacher = decode(model, KVQuantCache.from_prefill(teacher_fmt, dyn), first, max_new_tokens)
+        forced = teacher[:, :-1].to(dev)  # the student reads these back through its cache
+        lt = model(forced, past_key_values=KVQuantCache.from_prefill(teacher_fmt, dyn), use_cache=True).logits[0]
+        pt = torch.log_softmax(lt.float(), -1)
+        for f in fmts:
+            ls = model(forced, past_key_values=KVQuantCache.from_prefill(f, dyn), use_cache=True).logits[0]
+            log_ps = torch.log_softmax(ls.float(), -1)
+            acc[f.name]["kl"].append((pt.exp() * (pt - log_ps)).sum(-1).clamp_min(0).mean().item())
+            acc[f.name]["agree"].append((lt.argmax(-1) == ls.argmax(-1)).float().mean().item())
+            student = decode(model, KVQuantCache.from_prefill(f, dyn), first, max_new_tokens)[0]
+            diff = (student != teacher[0]).nonzero()
+            acc[f.name]["first"].append(int(diff[0]) if len(diff) else max_new_tokens)
+    mean = lambda xs: sum(xs) / len(xs)
+    return {name: {"kv_format": name, "kl": mean(a["kl"]), "top1_agreement": mean(a["agree"]),
+                   "first_divergence": a["first"], "mean_first_divergence": mean(a["first"]),
+                   "max_new_tokens": max_new_tokens, "prompt_tokens": lens}
+            for name, a in acc.items()}
+
+
+def teacher_comparison(model, tok, fmt, prompts: list, max_new_tokens: int = 32, teacher_fmt="fp32") -> dict:
+    """:func:`teacher_comparisons` for one format."""
+    return teacher_comparisons(model, tok, [fmt], prompts, max_new_tokens, teacher_fmt)[get_format(fmt).name]
+
+
+def golden_prompts(tok, n: int = 3, length: int = 1024, seed: int = 0) -> list[list[int]]:
+    """A golden set as long as the contexts under test: ``n`` slices of held-out prose, ``length`` tokens each.
+
+    Short golden prompts fit inside a residual window and cannot see the quantized cache at all.
+    """
+    if not isinstance(n, int) or n < 1 or not isinstance(length, int) or length < 2:
+        raise ValueError(f"n and length must be positive integers, got n={n!r}, length={length!r}")
+    hay = tasks.prose_tokens(tok)
+    if len(hay) < length:
+        raise ValueError(f"the held-out text has {len(hay)} tokens, fewer than length={length}")
+    rng = random.Random(seed)
+    return [hay[s : s + length] for s in (rng.randrange(0, len(hay) - length + 1) for _ in range(n))]
 
 
 # --------------------------------------------------------------------------- the shipped sweep

