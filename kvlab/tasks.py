@@ -86,7 +86,7 @@ def _boundaries(tok, hay: list[int]) -> list[int]:
     """Indices in ``hay`` where a sentence (or line) has just ended: safe places for a needle."""
     words = tok.convert_ids_to_tokens(hay) if hasattr(tok, "convert_ids_to_tokens") else [chr(i) for i in hay]
     ends = [i + 1 for i, w in enumerate(words) if w and w.rstrip("Ġ ").endswith((".", "\n", "Ċ", "!", "?"))]
-    return [0, *ends, len(hay)] if ends else [0, len(hay)]
+    return [0, *ends]
 
 
 def prose_tokens(tok, text: str | None = None) -> list[int]:

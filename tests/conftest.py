@@ -19,7 +19,15 @@ def tiny_llama():
 
 @pytest.fixture(scope="session")
 def shipped():
-    """The model the project ships in data/model (model, tokenizer)."""
+    """kvlab-tiny, the small model the project trains and ships in data/model (model, tokenizer)."""
     from kvlab.models import load_model
 
-    return load_model()
+    return load_model("kvlab-tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The workbook's real pretrained model, SmolLM2-135M-Instruct (model, tokenizer)."""
+    from kvlab.models import load_model
+
+    return load_model("smollm2-135m")

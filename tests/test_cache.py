@@ -96,3 +96,58 @@ def test_fused_rejects_formats_the_kernel_cannot_read(tiny_llama):
 
     with pytest.raises(ValueError, match="kernel does not read"):
         fused_attention(tiny_llama, KVQuantCache("kivi-4"))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8", "int4", "q4_0", "kivi-2", "hf-int4", "int4_tensor"])
+def test_what_attention_reads_is_the_stored_cache(tiny_llama, fmt):
+    """The incrementally updated full-precision view equals sinks + dequantized body + residual."""
+    from kvlab.quant import dequantize
+
+    f = get_format(fmt).with_options(sinks=3, rotate=fmt == "int8")
+    cache = KVQuantCache(f)
+    ids = torch.randint(3, 300, (2, 150))
+    with torch.no_grad():
+        tiny_llama(ids, past_key_values=cache)
+        for t in range(40):  # decode steps flush the residual into the body
+            tiny_llama(ids[:, t : t + 1], past_key_values=cache)
+    for layer in cache.layers:
+        body = dequantize(layer.k_store.qt)
+        if f.rotate:
+            from kvlab.quant import hadamard
+
+            body = body @ hadamard(body.shape[-1]).T
+        want = torch.cat([layer.sink_k, body, layer.res_k], dim=-2)
+        got, _ = layer._gather()
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
+def test_from_prefill_matches_storing_an_unquantized_prefill(tiny_llama):
+    """Filling a format's cache from a shared full-precision prefill = prefilling straight into it."""
+    ids = torch.randint(3, 300, (2, 90))
+    with torch.no_grad():
+        dyn = DynamicCache(config=tiny_llama.config)
+        tiny_llama(ids, past_key_values=dyn)
+        for fmt in ["int4", "kivi-2", "fp8_e4m3"]:
+            a, b = KVQuantCache.from_prefill(fmt, dyn), KVQuantCache(fmt, quantize_prefill=False)
+            tiny_llama(ids, past_key_values=b)
+            nxt = ids[:, -1:]
+            assert torch.equal(tiny_llama(nxt, past_key_values=a).logits, tiny_llama(nxt, past_key_values=b).logits)
+            assert a.nbytes == b.nbytes
+    with pytest.raises(ValueError, match="forward pass has filled"):
+        KVQuantCache.from_prefill("int4", DynamicCache())
+
+
+def test_dead_caches_are_freed_without_the_garbage_collector(tiny_llama):
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        cache = KVQuantCache("int4")
+        with torch.no_grad():
+            tiny_llama(torch.randint(3, 300, (1, 20)), past_key_values=cache)
+        ref = weakref.ref(cache)
+        del cache
+        assert ref() is None, "a reference cycle keeps every cache of a sweep alive until gc runs"
+    finally:
+        gc.enable()

@@ -1,11 +1,16 @@
 import json
 import math
 import re
+import weakref
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlab import evals, tasks
+from kvlab.cache import KVQuantCache
+from kvlab.formats import get_format
 
 
 class CharTok:
@@ -26,7 +31,7 @@ class Oracle(torch.nn.Module):
         self.p = torch.nn.Parameter(torch.zeros(1))
         self.config = type("C", (), {"_name_or_path": "oracle", "model_type": "oracle"})()
         self.wrong = wrong
-        self.steps = {}
+        self.steps = weakref.WeakKeyDictionary()  # ids of freed caches get reused
 
     def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
         B = input_ids.shape[0]
@@ -41,8 +46,8 @@ class Oracle(torch.nn.Module):
                 self.plan.append([ord(c) for c in " " + key])
             step = 0
         else:
-            step = self.steps.get(id(past_key_values), 1)
-        self.steps[id(past_key_values)] = step + 1
+            step = self.steps.get(past_key_values, 1)
+        self.steps[past_key_values] = step + 1
         logits = torch.zeros(B, input_ids.shape[1], 300)
         for b in range(B):
             logits[b, -1, self.plan[b][step]] = 1
@@ -177,3 +182,47 @@ def test_ladder_markdown_and_cell_agreement(tmp_path):
     assert evals.cell_agreement(sweep, tol=0.25) == 4 / 6 and evals.cell_agreement(sweep, tol=0.75) == 1.0
     with pytest.raises(KeyError, match="reference"):
         evals.cell_agreement(sweep, reference="bf16")
+
+
+def test_shared_prefill_gives_each_format_what_its_own_run_gives(tiny_llama):
+    ids = torch.randint(3, 300, (3, 120))
+    fmts = [get_format(n) for n in ("fp32", "int4", "kivi-2", "int4_tensor")]
+    shared = evals._generate(tiny_llama, ids, fmts, 6, "full")
+    for f in fmts:
+        assert torch.equal(shared[f.name], evals.greedy_through_cache(tiny_llama, ids, f, 6)), f.name
+    cached = evals.greedy_through_cache(tiny_llama, ids, "fp32", 6, prefill_mode="cached")
+    assert torch.equal(cached, shared["fp32"]), "a lossless cache cannot tell the two prefill modes apart"
+    with pytest.raises(ValueError, match="prefill"):
+        evals.greedy_through_cache(tiny_llama, ids, "int4", 6, prefill_mode="chunky")
+
+
+def test_decode_stops_once_every_row_has_missed(tiny_llama):
+    ids = torch.randint(3, 300, (2, 30))
+    dyn, first = evals.prefill(tiny_llama, ids)
+    free = evals.decode(tiny_llama, KVQuantCache.from_prefill("fp32", dyn), first, 6)
+    wrong = (free + 1) % 300
+    stopped = evals.decode(tiny_llama, KVQuantCache.from_prefill("fp32", dyn), first, 6, targets=wrong)
+    assert stopped.shape == (2, 6) and (stopped[:, 1:] == -1).all() and torch.equal(stopped[:, 0], free[:, 0])
+    kept = evals.decode(tiny_llama, KVQuantCache.from_prefill("fp32", dyn), first, 6, targets=free)
+    assert torch.equal(kept, free)
+
+
+@given(trials=st.integers(1, 500), data=st.data())
+def test_wilson_interval_brackets_the_rate(trials, data):
+    correct = data.draw(st.integers(0, trials))
+    lo, hi = evals.wilson(correct, trials)
+    assert 0 <= lo <= correct / trials <= hi <= 1
+    lo2, hi2 = evals.wilson(trials - correct, trials)  # misses and hits are mirror images
+    assert lo == pytest.approx(1 - hi2, abs=1e-9) and hi == pytest.approx(1 - lo2, abs=1e-9)
+    if trials >= 100:
+        assert hi - lo < 0.2
+    with pytest.raises(ValueError):
+        evals.wilson(trials + 1, trials)
+
+
+def test_golden_prompts_are_long_slices_of_heldout_text(shipped):
+    _, tok = shipped
+    golden = evals.golden_prompts(tok, n=3, length=700)
+    assert len(golden) == 3 and all(len(g) == 700 for g in golden) and golden[0] != golden[1]
+    with pytest.raises(ValueError, match="positive"):
+        evals.golden_prompts(tok, n=0)

