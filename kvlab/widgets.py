@@ -235,3 +235,73 @@ class QuantErrorExplorer:
         from IPython.display import display
 
         display(self.widget())
+
+
+class SweepExplorer:
+    """Chapter 4's sweep, one format at a time: a dropdown of formats, a haystack toggle, a heatmap.
+
+    The heatmap shows passkey exact match per (needle depth, context length); the line under it
+    gives each length's exact match with its 95% interval, beside the full-precision reference.
+    """
+
+    def __init__(self, sweep: dict, kv_format: str = "int4_tensor", reference: str = "fp32"):
+        from .evals import EvalResult
+
+        self._Result = EvalResult
+        self.sweep, self.reference = sweep, reference
+        names = list(sweep["formats"])
+        if kv_format not in names or reference not in names:
+            raise ValueError(f"kv_format and reference must be formats of the sweep ({names}), "
+                             f"got {kv_format!r} and {reference!r}")
+        style = {"description_width": "90px"}
+        self.kv_format = w.Dropdown(options=names, value=kv_format, description="KV format", style=style)
+        self.haystack = w.ToggleButtons(options=["filler", "prose"], value="filler", description="haystack",
+                                        style=style)
+        self.status = w.HTML()
+        self.fig = go.FigureWidget(
+            data=[go.Heatmap(z=[[0]], zmin=0, zmax=1, colorscale="RdYlGn", colorbar=dict(title="exact match"),
+                             texttemplate="%{text}", text=[[""]])],
+            layout=dict(height=340, xaxis_title="context (tokens)", yaxis_title="needle depth (0 = start)",
+                        margin=dict(l=70, r=20, t=50, b=50), xaxis_type="category"))
+        for ctl in (self.kv_format, self.haystack):
+            ctl.observe(self.update, names="value")
+        self.update()
+
+    def result(self, name: str):
+        key = "passkey" if self.haystack.value == "filler" else "passkey_prose"
+        return self._Result("passkey", self.sweep.get("model", ""), name, self.sweep["formats"][name].get(key, []))
+
+    def update(self, change=None):
+        from .evals import wilson
+
+        res = self.result(self.kv_format.value)
+        if not res.rows:
+            self.status.value = (f"<span style='color:#b00'>{self.kv_format.value} was not swept on the "
+                                 f"{self.haystack.value} haystack</span>")
+            with self.fig.batch_update():
+                self.fig.data[0].z, self.fig.data[0].text = [[None]], [[""]]
+            return
+        grid = res.grid()
+        with self.fig.batch_update():
+            self.fig.data[0].z = grid
+            self.fig.data[0].x = [str(n) for n in res.lengths]
+            self.fig.data[0].y = [f"{d:.2f}" for d in res.depths]
+            self.fig.data[0].text = [[f"{v:.0%}" for v in row] for row in grid]
+            self.fig.layout.title = f"passkey exact match: {res.kv_format} cache, {self.haystack.value} haystack"
+        ref = self.result(self.reference)
+        parts = []
+        for n in res.lengths:
+            cells = [r for r in res.rows if r["length"] == n]
+            c, t = sum(r["correct"] for r in cells), sum(r["trials"] for r in cells)
+            lo, hi = wilson(c, t)
+            ref_txt = f" ({self.reference} {ref.accuracy(n):.0%})" if ref.rows and n in ref.lengths else ""
+            parts.append(f"{n} tokens: <b>{c / t:.0%}</b> [{lo:.0%}, {hi:.0%}]{ref_txt}")
+        self.status.value = " &nbsp;·&nbsp; ".join(parts)
+
+    def widget(self):
+        return w.VBox([w.HBox([self.kv_format, self.haystack]), self.fig, self.status])
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget())

@@ -69,3 +69,30 @@ def test_quant_error_explorer_updates_in_place():
     e.gran.value = "group"
     e.group.value = 16
     assert "bits per element" in e.status.value
+
+
+def _sweep():
+    def rows(c512, c2048):
+        return [{"length": n, "depth": d, "trials": 5, "correct": c} for n, c in ((512, c512), (2048, c2048))
+                for d in (0.0, 1.0)]
+
+    return {"model": "m", "formats": {
+        "fp32": {"passkey": rows(5, 5), "passkey_prose": rows(5, 4)},
+        "int4_tensor": {"passkey": rows(4, 1), "passkey_prose": []}}}
+
+
+def test_sweep_explorer_follows_the_dropdown_and_the_haystack():
+    from kvlab.widgets import SweepExplorer
+
+    e = SweepExplorer(_sweep(), kv_format="fp32")
+    trace = e.fig.data[0]
+    assert tuple(map(tuple, trace.z)) == ((1.0, 1.0), (1.0, 1.0))
+    e.kv_format.value = "int4_tensor"
+    assert e.fig.data[0] is trace and tuple(trace.z[0]) == (0.8, 0.2)
+    assert "2048 tokens: <b>20%</b>" in e.status.value and "fp32 100%" in e.status.value
+    e.haystack.value = "prose"
+    assert "was not swept" in e.status.value
+    e.kv_format.value = "fp32"
+    assert tuple(trace.z[0]) == (1.0, 0.8) and "prose" in e.fig.layout.title.text
+    with pytest.raises(ValueError, match="formats of the sweep"):
+        SweepExplorer(_sweep(), kv_format="int3")
