@@ -353,42 +353,56 @@ def golden_prompts(tok, n: int = 3, length: int = 1024, seed: int = 0) -> list[l
 
 # --------------------------------------------------------------------------- the shipped sweep
 
-# The golden set of the teacher comparison in the shipped sweep (``scripts/sweep_evals.py``).
-GOLDEN_PROMPTS = [
-    "Return the number of items in a container.",
-    "The socket module provides access to the BSD socket interface.",
-    "Create a new dictionary with keys from iterable and values set to value.",
-    "If the file cannot be opened, an OSError is raised.",
-    "This module implements pseudo-random number generators for various distributions.",
-    "A pass key is a number. The pass key is 48213. Remember it. The grass grows green.",
-]
-
 SWEEP_PATH = Path(__file__).resolve().parents[1] / "data" / "results" / "eval_sweep.json"
 
 
 def load_sweep(path: str | Path | None = None) -> dict:
     """Chapter 4's full sweep (``scripts/sweep_evals.py``): per format, every rung of the eval ladder.
 
-    Each format's ``passkey`` and ``chain2`` cells come back as :class:`EvalResult` objects.
+    Each format's passkey cells come back as :class:`EvalResult` objects too:
+    ``passkey_result`` (filler haystack) and ``prose_result`` (held-out prose).
     """
     path = Path(path) if path is not None else SWEEP_PATH
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_evals.py to create it")
-    doc = json.loads(path.read_text())
-    if "formats" not in doc or not isinstance(doc["formats"], dict):
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON eval sweep: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("formats"), dict):
         raise ValueError(f"{path} is not an eval sweep (no 'formats' mapping)")
+    model = doc.get("model", "?")
     for name, row in doc["formats"].items():
-        row["passkey_result"] = EvalResult("passkey", doc.get("model", "?"), name, row["passkey"])
-        row["chain_result"] = EvalResult("chain2", doc.get("model", "?"), name, row["chain2"])
+        row["passkey_result"] = EvalResult("passkey", model, name, row.get("passkey", []))
+        row["prose_result"] = EvalResult("passkey", model, name, row.get("passkey_prose", []))
     return doc
+
+
+def counts(rows: list[dict], length: int | None = None, min_length: int | None = None) -> tuple[int, int]:
+    """``(correct, trials)`` pooled over the cells of ``rows`` at ``length`` (or at every length >= ``min_length``)."""
+    cells = [r for r in rows if (length is None or r["length"] == length)
+             and (min_length is None or r["length"] >= min_length)]
+    return sum(r["correct"] for r in cells), sum(r["trials"] for r in cells)
+
+
+def falls_at(result: EvalResult, reference: EvalResult, drop: float = 0.2) -> int | None:
+    """The shortest context length where ``result`` is at least ``drop`` below ``reference`` (None: never)."""
+    if not 0 < drop <= 1:
+        raise ValueError(f"drop must be in (0, 1], got {drop!r}")
+    for n in result.lengths:
+        if n in reference.lengths and result.accuracy(n) <= reference.accuracy(n) - drop:
+            return n
+    return None
 
 
 def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str = "fp32") -> list[dict]:
     """One row per format: what each rung of the eval ladder reports.
 
     ``ppl_increase`` is relative to ``reference``; ``needle_short`` is passkey exact match at
-    ``short`` tokens; ``needle_long`` pools every length >= ``long_min``; ``chain`` pools the
-    multi-hop cells; ``kl``, ``top1`` and ``first_divergence`` come from the teacher comparison.
+    ``short`` tokens and ``needle_long`` pools every length >= ``long_min`` (filler haystack),
+    each with its 95% Wilson interval (``*_lo``, ``*_hi``); ``prose_long`` is the same in held-out
+    prose (None where the format was not swept there); ``chain`` pools the multi-hop cells (None
+    where absent); ``kl``, ``top1`` and ``first_divergence`` come from the teacher comparison.
     """
     fmts = sweep["formats"]
     if reference not in fmts:
@@ -396,18 +410,20 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
     base = fmts[reference]["perplexity"]
     rows = []
     for name, r in fmts.items():
-        pk, ch = EvalResult("passkey", "", name, r["passkey"]), EvalResult("chain2", "", name, r["chain2"])
-        try:
-            short_acc, long_acc = pk.accuracy(short), pk.accuracy(min_length=long_min)
-        except KeyError:
-            raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens") from None
+        (cs, ts), (cl, tl) = counts(r["passkey"], length=short), counts(r["passkey"], min_length=long_min)
+        if not ts or not tl:
+            raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens")
+        prose = r.get("passkey_prose") or []
+        cp, tp = counts(prose, min_length=long_min)
+        chain = r.get("chain2") or []
         rows.append({
             "kv_format": name,
             "bits": r["bits_per_element"],
             "ppl_increase": r["perplexity"] / base - 1,
-            "needle_short": short_acc,
-            "needle_long": long_acc,
-            "chain": ch.accuracy() if ch.rows else None,
+            "needle_short": cs / ts, "needle_short_lo": wilson(cs, ts)[0], "needle_short_hi": wilson(cs, ts)[1],
+            "needle_long": cl / tl, "needle_long_lo": wilson(cl, tl)[0], "needle_long_hi": wilson(cl, tl)[1],
+            "prose_long": cp / tp if tp else None,
+            "chain": sum(c["correct"] for c in chain) / sum(c["trials"] for c in chain) if chain else None,
             "kl": r["teacher"]["kl"],
             "top1": r["teacher"]["top1_agreement"],
             "first_divergence": r["teacher"]["mean_first_divergence"],
@@ -416,16 +432,25 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
 
 
 _LADDER_COLUMNS = {"bits": "{:.2f}", "ppl_increase": "{:+.1%}", "needle_short": "{:.0%}", "needle_long": "{:.0%}",
-                   "chain": "{:.0%}", "kl": "{:.4f}", "top1": "{:.1%}", "first_divergence": "{:.1f}"}
+                   "prose_long": "{:.0%}", "chain": "{:.0%}", "kl": "{:.4f}", "top1": "{:.1%}",
+                   "first_divergence": "{:.1f}"}
 
 
 def ladder_markdown(ladder_rows: list[dict]) -> str:
     """:func:`ladder` rows as a Markdown table (a dash where a rung was not measured)."""
-    cols = list(_LADDER_COLUMNS)
+    cols = [c for c in _LADDER_COLUMNS if any(r.get(c) is not None for r in ladder_rows)]
+
+    def cell(r, c):
+        if r.get(c) is None:
+            return "—"
+        text = _LADDER_COLUMNS[c].format(r[c])
+        if f"{c}_lo" in r:  # a 95% interval beside the rate
+            text += f" ({r[c + '_lo']:.0%}–{r[c + '_hi']:.0%})"
+        return text
+
     head = "| format | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols) + "\n"
-    return head + "\n".join(
-        f"| {r['kv_format']} | " + " | ".join("—" if r[c] is None else _LADDER_COLUMNS[c].format(r[c]) for c in cols)
-        + " |" for r in ladder_rows)
+    return head + "\n".join(f"| {r['kv_format']} | " + " | ".join(cell(r, c) for c in cols) + " |"
+                             for r in ladder_rows)
 
 
 def cell_agreement(sweep: dict, reference: str = "fp32", tol: float = 0.25) -> float:
@@ -443,7 +468,7 @@ def cell_agreement(sweep: dict, reference: str = "fp32", tol: float = 0.25) -> f
     return sum(d <= tol for d in diffs) / len(diffs)
 
 
-def smoke_test_passes(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min: float = 0.9,
+def trapped_formats(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min: float = 0.9,
                       long_drop: float = 0.2, reference: str = "fp32") -> list[str]:
     """Formats that pass the cheap rungs but fail the long one: the trap a short eval cannot see.
 

@@ -83,6 +83,21 @@ Passkey retrieval (5 digits, needle at 11 depths from 0 to 1), exact match:
 It is a {train['parameters'] / 1e6:.1f}M-parameter model: its prose is locally plausible, not knowledgeable, and it follows no
 instructions. {retrieval}
 Lengths beyond its training (4096 tokens) are reported above, not promised.
+{prose_note(ev)}"""
+
+
+def prose_note(ev: dict) -> str:
+    """What the model does when the haystack is real text instead of the filler it was trained on."""
+    pr = ev.get("passkey_prose")
+    if not pr:
+        return ""
+    cells = ", ".join(f"**{r['correct']} of {r['trials']}** at {n} tokens" for n, r in pr.items())
+    return f"""
+**It learned the prompt template, not retrieval.** With the same passkey and question in a haystack of
+held-out prose instead of the five filler sentences it was trained on, it retrieves {cells}
+(fp32 cache, `kvlab.tasks.passkey(..., haystack=prose_tokens(tok))`). Its margin on the memorised template is
+so wide that no KV format moves it, which is why the chapters teach on SmolLM2-135M-Instruct and keep
+kvlab-tiny as the fast fixture of the unit tests.
 """
 
 
@@ -91,13 +106,23 @@ def main(argv=None):
     p.add_argument("--long-trials", type=int, default=2, help="prompts per depth at 8k and 16k")
     p.add_argument("--lengths", default="256,512,1024,2048,4096")
     p.add_argument("--card-only", action="store_true", help="rewrite the model card from the saved eval.json")
+    p.add_argument("--prose-only", action="store_true", help="measure only the prose-haystack passkeys, then the card")
     args = p.parse_args(argv)
+    if args.prose_only:
+        ev = json.loads((MODEL_DIR / "eval.json").read_text())
+        model, tok = load_model("kvlab-tiny")
+        res = evals.passkey_sweep(model, tok, "fp32", [512, 2048], [0.0, 0.25, 0.5, 0.75, 1.0], 4, seed=3,
+                                  haystack="prose", progress=False)
+        ev["passkey_prose"] = {str(n): dict(zip(("correct", "trials"), evals.counts(res.rows, length=n)))
+                               for n in res.lengths}
+        (MODEL_DIR / "eval.json").write_text(json.dumps(ev, indent=1) + "\n")
+        args.card_only = True
     if args.card_only:
         ev = json.loads((MODEL_DIR / "eval.json").read_text())
         train = json.loads((MODEL_DIR / "training.json").read_text())
         (MODEL_DIR / "README.md").write_text(card(train, ev))
         return
-    model, tok = load_model()
+    model, tok = load_model("kvlab-tiny")
     t0 = time.time()
     ev = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "torch": torch.__version__,
           "cache_format": "fp32", "passkey": {}}

@@ -12,7 +12,8 @@ run is readable and nothing measured is lost):
 
 plus how long each part took, on what machine, with which versions.
 
-    python scripts/sweep_evals.py            # the shipped sweep (about 80 minutes on 2 CPU cores)
+    python scripts/sweep_evals.py            # the shipped sweep (about 75 minutes on 2 CPU cores)
+    python scripts/sweep_evals.py --resume   # finish an interrupted run: steps already in the file are kept
     python scripts/sweep_evals.py --quick    # a small slice, for a smoke test
 """
 
@@ -68,6 +69,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "eval_sweep.json")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--resume", action="store_true", help="keep the steps --out already holds and run the rest")
     args = p.parse_args(argv)
     if args.out.exists() and args.out.is_dir():
         p.error(f"--out {args.out} is a directory")
@@ -78,7 +80,7 @@ def main(argv=None):
         fmts = [get_format(n) for n in ("fp32", "int8", "int4_tensor")]
         lengths, prose_lengths, depths, per_depth = [256, 512], [512], [0.0, 1.0], 1
     else:
-        lengths, prose_lengths, depths, per_depth = [512, 2048, 8192], [512, 8192], [0.0, 0.25, 0.5, 0.75, 1.0], 5
+        lengths, prose_lengths, depths, per_depth = [512, 2048, 8192], [512, 2048], [0.0, 0.25, 0.5, 0.75, 1.0], 5
     core = [f for f in fmts if f.name in CORE]
     t0 = time.time()
     out = {"model": args.model, "lengths": lengths, "prose_lengths": prose_lengths, "depths": depths,
@@ -86,6 +88,17 @@ def main(argv=None):
            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "steps": {},
            "formats": {f.name: {"source": f.source, "bits_per_element": f.bits_per_element(64),
                                 "passkey": [], "passkey_prose": []} for f in fmts}}
+
+    if args.resume and args.out.exists():
+        old = json.loads(args.out.read_text())
+        same = all(old.get(k) == out[k] for k in ("model", "lengths", "depths", "trials", "prefill"))
+        if not same or set(old.get("formats", {})) != set(out["formats"]):
+            p.error(f"--resume: {args.out} holds a different sweep (model, grid or formats); move it away first")
+        out, t0 = old | {"prose_lengths": prose_lengths}, time.time() - old.get("seconds", 0)
+        print("resuming; done:", ", ".join(out["steps"]), flush=True)
+
+    def done(step):
+        return step in out["steps"]
 
     def save(step, t):
         out["steps"][step] = round(time.time() - t, 1)
@@ -97,6 +110,8 @@ def main(argv=None):
 
     # 1. passkey, filler haystack, every format; one length at a time so a partial file is useful
     for n in lengths:
+        if done(f"passkey filler {n}"):
+            continue
         t = time.time()
         res = evals.passkey_sweeps(model, tok, fmts, [n], depths, per_depth, seed=0)
         for name, r in res.items():
@@ -104,29 +119,36 @@ def main(argv=None):
         save(f"passkey filler {n}", t)
     # 2. the teacher side by side on long golden prompts, and perplexity (every token reads the cache)
     t = time.time()
-    golden = evals.golden_prompts(tok, n=1 if args.quick else 2, length=256 if args.quick else 1024)
-    for name, row in evals.teacher_comparisons(model, tok, fmts, golden, max_new_tokens=16).items():
-        out["formats"][name]["teacher"] = row
-    save("teacher", t)
+    golden = [] if done("teacher") else evals.golden_prompts(tok, n=1 if args.quick else 2, length=256 if args.quick else 1024)
+    if golden:
+        for name, row in evals.teacher_comparisons(model, tok, fmts, golden, max_new_tokens=16).items():
+            out["formats"][name]["teacher"] = row
+        save("teacher", t)
     t = time.time()
-    for f in fmts:
-        out["formats"][f.name]["perplexity"] = evals.perplexity(model, tok, f, window=512,
-                                                                max_windows=2 if args.quick else 4)
-    save("perplexity", t)
+    if not done("perplexity"):
+        for f in fmts:
+            out["formats"][f.name]["perplexity"] = evals.perplexity(model, tok, f, window=512,
+                                                                    max_windows=2 if args.quick else 4)
+        save("perplexity", t)
     # 3. the harsher mode: the prompt's own attention reads the quantized cache
     t = time.time()
-    cached = [f for f in core if f.name in ("int4_token", "int4", "kivi-2", "int4_tensor")]
-    res = evals.passkey_sweeps(model, tok, cached, [2048 if not args.quick else 512], depths,
-                               1 if args.quick else 2, seed=0, prefill="cached")
-    out["prefill_cached"] = {name: r.rows for name, r in res.items()}
-    save("passkey, prompt quantized during prefill", t)
+    step = "passkey, prompt quantized during prefill"
+    cached = [] if done(step) else [f for f in core if f.name in ("int4_token", "int4", "kivi-2", "int4_tensor")]
+    if cached:
+        res = evals.passkey_sweeps(model, tok, cached, [2048 if not args.quick else 512], depths,
+                                   1 if args.quick else 2, seed=0, prefill="cached")
+        out["prefill_cached"] = {name: r.rows for name, r in res.items()}
+        save(step, t)
     # 4. multi-hop, in full precision first: a rung the model cannot climb ranks nothing
     t = time.time()
-    ch = evals.chain_sweep(model, tok, "fp32", [512], [1.0], hops=2, trials=4 if args.quick else 10, seed=0)
-    out["chain2_fp32"] = ch.rows
-    save("2-hop chain, fp32", t)
+    if not done("2-hop chain, fp32"):
+        ch = evals.chain_sweep(model, tok, "fp32", [512], [1.0], hops=2, trials=4 if args.quick else 10, seed=0)
+        out["chain2_fp32"] = ch.rows
+        save("2-hop chain, fp32", t)
     # 5. passkey, real prose haystack, core formats
     for n in prose_lengths:
+        if done(f"passkey prose {n}"):
+            continue
         t = time.time()
         res = evals.passkey_sweeps(model, tok, core, [n], depths, per_depth, seed=1, haystack="prose")
         for name, r in res.items():

@@ -151,15 +151,15 @@ def test_load_sweep_errors(tmp_path):
         evals.load_sweep(tmp_path / "bad.json")
 
 
-def test_smoke_test_passes_finds_the_trap(tmp_path):
+def test_trapped_formats_finds_the_trap(tmp_path):
     rows = evals.ladder(evals.load_sweep(_fake_sweep(tmp_path)), short=512, long_min=2048)
-    assert evals.smoke_test_passes(rows, ppl_tol=0.06) == ["int4"]  # +5% perplexity, 100% at 512, 25% vs 100% long
-    assert evals.smoke_test_passes(rows, ppl_tol=0.01) == []
-    assert evals.smoke_test_passes(rows, long_drop=0.8) == []
+    assert evals.trapped_formats(rows, ppl_tol=0.06) == ["int4"]  # +5% perplexity, 100% at 512, 25% vs 100% long
+    assert evals.trapped_formats(rows, ppl_tol=0.01) == []
+    assert evals.trapped_formats(rows, long_drop=0.8) == []
     with pytest.raises(ValueError, match="ppl_tol"):
-        evals.smoke_test_passes(rows, ppl_tol=2)
+        evals.trapped_formats(rows, ppl_tol=2)
     with pytest.raises(KeyError, match="reference"):
-        evals.smoke_test_passes(rows, reference="bf16")
+        evals.trapped_formats(rows, reference="bf16")
 
 
 def test_accuracy_pools_cells_from_a_minimum_length():
@@ -176,8 +176,8 @@ def test_ladder_markdown_and_cell_agreement(tmp_path):
     sweep = evals.load_sweep(_fake_sweep(tmp_path))
     md = evals.ladder_markdown(evals.ladder(sweep))
     lines = md.splitlines()
-    assert lines[0].startswith("| format | bits | ppl_increase") and len(lines) == 4
-    assert "| int4 | 4.50 | +5.0% | 100% | 25% | — | 0.2000 |" in md
+    assert lines[0].startswith("| format | bits | ppl_increase | needle_short | needle_long | chain") and len(lines) == 4
+    assert "| int4 | 4.50 | +5.0% | 100% (51%–100%) | 25% (7%–59%) | — | 0.2000 |" in md, md
     # int4 differs from fp32 by 0.75 in both long cells: 4 of 6 cells agree within 0.25, all within 0.75
     assert evals.cell_agreement(sweep, tol=0.25) == 4 / 6 and evals.cell_agreement(sweep, tol=0.75) == 1.0
     with pytest.raises(KeyError, match="reference"):
@@ -226,3 +226,15 @@ def test_golden_prompts_are_long_slices_of_heldout_text(shipped):
     assert len(golden) == 3 and all(len(g) == 700 for g in golden) and golden[0] != golden[1]
     with pytest.raises(ValueError, match="positive"):
         evals.golden_prompts(tok, n=0)
+
+
+def test_counts_and_where_a_format_falls():
+    rows = [{"length": n, "depth": d, "trials": 5, "correct": c}
+            for n, c in ((512, 5), (2048, 4), (8192, 1)) for d in (0.0, 1.0)]
+    assert evals.counts(rows, length=2048) == (8, 10) and evals.counts(rows, min_length=2048) == (10, 20)
+    res = evals.EvalResult("passkey", "m", "int4", rows)
+    ref = evals.EvalResult("passkey", "m", "fp32", [dict(r, correct=5) for r in rows])
+    assert evals.falls_at(res, ref, drop=0.2) == 2048 and evals.falls_at(res, ref, drop=0.5) == 8192
+    assert evals.falls_at(ref, ref) is None
+    with pytest.raises(ValueError, match="drop"):
+        evals.falls_at(res, ref, drop=0)
