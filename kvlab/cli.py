@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from . import budget as B
 from .formats import format_names, get_format
@@ -142,19 +143,29 @@ def cmd_niah(args) -> int:
     from . import evals
     from .models import load_model
 
+    if args.out:  # check the destination before a long run, not after it
+        out = Path(args.out)
+        if out.is_dir() or not out.parent.is_dir():
+            print(f"kvlab: error: --out {args.out}: " + ("is a directory" if out.is_dir() else
+                  f"folder {str(out.parent)!r} does not exist"), file=sys.stderr)
+            return 2
     try:
         model, tok = load_model(args.model)
         if args.task == "passkey":
             res = evals.passkey_sweep(model, tok, args.kv_format, args.lengths, args.depths, args.trials,
-                                      seed=args.seed, progress=not args.json)
+                                      seed=args.seed, progress=not args.json, prefill=args.prefill,
+                                      haystack=args.haystack)
         else:
             res = evals.chain_sweep(model, tok, args.kv_format, args.lengths, args.depths or [1.0],
-                                    hops=args.hops, trials=args.trials, seed=args.seed, progress=not args.json)
+                                    hops=args.hops, trials=args.trials, seed=args.seed, progress=not args.json,
+                                    prefill=args.prefill)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     if args.out:
-        res.save(args.out)
+        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+        res.save(tmp)
+        tmp.replace(args.out)
     if args.json:
         print(json.dumps({"task": res.task, "model": res.model, "kv_format": res.kv_format,
                           "accuracy": res.accuracy(), "rows": res.rows, "meta": res.meta}, indent=1))
@@ -223,13 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("niah", help="needle-in-a-haystack (or multi-hop) exact match through a KV format")
     n.add_argument("--kv-format", required=True, type=_kv_format, help="KV format (see `kvlab formats`)")
-    n.add_argument("--model", default=None, help="model folder or hub name (default: the shipped kvlab-tiny)")
+    n.add_argument("--model", default=None, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
     n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=[0.0, 0.5, 1.0], help="e.g. 0,0.5,1")
     n.add_argument("--trials", type=_int("--trials", 1), default=5, help="prompts per cell")
     n.add_argument("--task", choices=["passkey", "chain"], default="passkey")
     n.add_argument("--hops", type=_int("--hops", 1), default=2, help="links to follow (chain task)")
     n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--haystack", choices=["filler", "prose"], default="filler",
+                   help="repeated filler sentences, or held-out prose (passkey task)")
+    n.add_argument("--prefill", choices=["full", "cached"], default="full",
+                   help="full: the prompt attends in full precision and only the stored cache is quantized "
+                        "(as vLLM does); cached: the prompt's own attention reads the quantized cache")
     n.add_argument("--out", help="save the result as JSON to this file")
     n.add_argument("--json", action="store_true", help="print one JSON object")
     n.set_defaults(func=cmd_niah)

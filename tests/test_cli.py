@@ -65,3 +65,24 @@ def test_module_entry_point():
     assert r.returncode == 0
     names = [row["name"] for row in json.loads(r.stdout)]
     assert {"fp8_e4m3", "int4", "q4_0", "kivi-2"} <= set(names)
+
+
+def test_niah_checks_out_before_running(tmp_path, capsys):
+    from kvlab.cli import main
+
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "no" / "r.json", "does not exist")):
+        assert main(["niah", "--kv-format", "int4", "--model", "kvlab-tiny", "--out", str(bad)]) == 2
+        assert why in capsys.readouterr().err
+
+
+def test_niah_prose_haystack_runs_and_saves(tmp_path, capsys):
+    import json
+
+    from kvlab.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--lengths", "256", "--depths", "0.5",
+                 "--trials", "2", "--haystack", "prose", "--json", "--out", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["meta"]["haystack"] == "prose" and doc["meta"]["prefill"] == "full"
+    assert json.loads(out.read_text())["rows"][0]["trials"] == 2 and not list(tmp_path.glob("*.tmp"))

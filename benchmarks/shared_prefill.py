@@ -1,0 +1,78 @@
+"""Benchmark: what one shared full-precision prefill saves when a sweep covers many KV formats.
+
+On SmolLM2-135M-Instruct, the same passkey prompts are swept, in one run and side by side:
+
+* 1 format (fp32) — one prefill per prompt batch, one decode;
+* 10 formats — the same prefills, shared: each format's cache is filled from them and decoded;
+* 10 formats, no sharing — each format quantizes its own prefill (``prefill="cached"``), the cost
+  a sweep would pay without the shared prefill.
+
+Reports wall seconds and the ratios to the 1-format run, with the machine, to
+``data/results/shared_prefill.json``. The target: 10 formats cost at most 2x one.
+
+    python benchmarks/shared_prefill.py [--length 2048] [--prompts 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serving_replay import cpu_model  # noqa: E402
+from kvlab import evals  # noqa: E402
+from kvlab.models import load_model  # noqa: E402
+
+TEN = ["fp32", "bf16", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "q4_0", "kivi-4", "kivi-2"]
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--prompts", type=int, default=5)
+    p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "shared_prefill.json")
+    args = p.parse_args(argv)
+    if args.length < 64 or args.prompts < 1:
+        p.error("--length must be >= 64 and --prompts >= 1")
+    if args.out.is_dir():
+        p.error(f"--out {args.out} is a directory")
+    model, tok = load_model()
+    kw = dict(lengths=[args.length], depths=[0.5], trials=args.prompts, batch_size=args.prompts, progress=False)
+    one = timed(lambda: evals.passkey_sweeps(model, tok, ["fp32"], **kw))
+    shared = timed(lambda: evals.passkey_sweeps(model, tok, TEN, **kw))
+    separate = timed(lambda: evals.passkey_sweeps(model, tok, TEN, prefill="cached", **kw))
+    out = {
+        "benchmark": "shared_prefill", "model": "smollm2-135m", "length": args.length, "prompts": args.prompts,
+        "formats": TEN, "seconds": {"1 format": round(one, 1), "10 formats, shared prefill": round(shared, 1),
+                                    "10 formats, one prefill each": round(separate, 1)},
+        "ratio_shared_to_one": round(shared / one, 2), "ratio_separate_to_one": round(separate / one, 2),
+        "target": "10 formats with a shared prefill cost at most 2x one format",
+        "meets_target": shared / one <= 2.0,
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "torch": torch.__version__, "date": dt.date.today().isoformat(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.replace(args.out)
+    print(json.dumps(out["seconds"]), f"shared/one = {out['ratio_shared_to_one']}x,",
+          f"separate/one = {out['ratio_separate_to_one']}x")
+
+
+if __name__ == "__main__":
+    main()
