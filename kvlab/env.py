@@ -1,4 +1,4 @@
-"""What this machine can run: torch, CUDA, Triton (native or interpreter), the shipped model."""
+"""What this machine can run: torch, CUDA, Triton (native or interpreter), the workbook's models."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ def triton_mode() -> str:
     return "interpreter"
 
 
+def _smollm2_state() -> str:
+    from .models import cache_dir, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except FileNotFoundError:
+        return "not installed (make lab / make test install it)"
+    return "ready" if (cache_dir() / "smollm2-135m" / "model.safetensors").exists() else "installed, converted on first load"
+
+
 def report() -> dict:
     import torch
 
@@ -39,6 +49,7 @@ def report() -> dict:
         "cuda GPU": gpu,
         "triton": (importlib.import_module("triton").__version__ if has_triton() else "not installed"),
         "triton mode": triton_mode(),
-        "shipped model": "present" if (MODEL_DIR / "config.json").exists() else "missing",
+        "SmolLM2-135M-Instruct (chapters)": _smollm2_state(),
+        "kvlab-tiny (unit tests)": "present" if (MODEL_DIR / "config.json").exists() else "missing",
         "cpu cores": os.cpu_count(),
     }

@@ -1,11 +1,14 @@
 """The eval ladder, run through a kvlab cache: perplexity, needle, multi-hop, side by side with the teacher.
 
-Every eval takes a model and tokenizer (the shipped model by default, via
-:func:`kvlab.models.load_model`) and a KV format, builds a fresh
-:class:`kvlab.cache.KVQuantCache` per batch, and decodes greedily through it —
-prefill and every generated token attend over the cache as stored.
+Every eval takes a model and tokenizer (SmolLM2-135M-Instruct by default, via
+:func:`kvlab.models.load_model`) and one or more KV formats. By default a prompt
+batch is prefilled once in full precision and each format's
+:class:`kvlab.cache.KVQuantCache` is filled from it, as a serving engine stores a
+fresh prompt; every generated token then reads the quantized cache
+(``prefill="cached"`` quantizes the prompt's own attention too).
 
-* :func:`passkey_sweep` — needle in a haystack over context length x depth;
+* :func:`passkey_sweeps` / :func:`passkey_sweep` — needle in a haystack (filler or
+  prose) over context length x depth, many formats on the same prompts;
 * :func:`chain_sweep` — multi-hop variable tracking (every hop must be right);
 * :func:`perplexity` — held-out text, the cheap smoke test;
 * :func:`teacher_comparison` — per-token KL divergence to the full-precision

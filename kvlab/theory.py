@@ -15,7 +15,7 @@ logit; call its standard deviation ``σ``. Two things then get worse with ``n``:
    ``needle_mass(Δ, σ, n)`` is the needle's share of attention.
 
 Both are checked against Monte-Carlo simulation (:func:`simulate`) and against
-the shipped model's own retrieval heads in chapter 4.
+SmolLM2's own retrieval heads in chapter 4.
 """
 
 from __future__ import annotations
