@@ -403,8 +403,8 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
 
     ``ppl_increase`` is relative to ``reference``; ``needle_short`` is passkey exact match at
     ``short`` tokens and ``needle_long`` pools every length >= ``long_min`` (filler haystack),
-    each with its 95% Wilson interval (``*_lo``, ``*_hi``); ``prose_long`` is the same in held-out
-    prose (None where the format was not swept there); ``chain`` pools the multi-hop cells (None
+    each with its 95% Wilson interval (``*_lo``, ``*_hi``); ``prose_long`` is exact match at the
+    longest length swept in held-out prose (None where the format was not swept there); ``chain`` pools the multi-hop cells (None
     where absent); ``kl``, ``top1`` and ``first_divergence`` come from the teacher comparison.
     """
     fmts = sweep["formats"]
@@ -417,7 +417,7 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
         if not ts or not tl:
             raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens")
         prose = r.get("passkey_prose") or []
-        cp, tp = counts(prose, min_length=long_min)
+        cp, tp = counts(prose, length=max(c["length"] for c in prose)) if prose else (0, 0)
         chain = r.get("chain2") or []
         rows.append({
             "kv_format": name,

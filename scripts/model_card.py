@@ -74,7 +74,7 @@ surroundings):
 It follows a 2-link chain (`Link a b`, `Value b 12345`, then `Trace a:`) in {chain_c} of {chain_t} prompts at
 512 tokens even with a full-precision cache, so the multi-hop rung cannot rank KV formats on this model. It is
 a 135M-parameter model: it answers simple factual questions and follows short instructions, but its
-knowledge and reasoning are those of a small model, and it was trained for 8192 tokens of context, no more.
+knowledge and reasoning are those of a small model, and its context window is 8192 tokens.
 """
 
 
