@@ -4,7 +4,7 @@ Writes ``data/results/eval_sweep.json`` (rewritten after every step, so a partia
 run is readable and nothing measured is lost):
 
 * passkey exact match over context length x needle depth, in two haystacks —
-  repeated filler sentences (every format) and held-out prose (the core formats);
+  repeated filler sentences and held-out prose;
 * a slice with the prompt itself quantized during prefill (``prefill="cached"``);
 * a 2-hop chain probe in full precision (the rung is kept only if the model can climb it);
 * held-out perplexity with every token reading the quantized cache;
@@ -12,7 +12,7 @@ run is readable and nothing measured is lost):
 
 plus how long each part took, on what machine, with which versions.
 
-    python scripts/sweep_evals.py            # the shipped sweep (about 75 minutes on 2 CPU cores)
+    python scripts/sweep_evals.py            # the shipped sweep (about 85 minutes on 2 CPU cores)
     python scripts/sweep_evals.py --resume   # finish an interrupted run: steps already in the file are kept
     python scripts/sweep_evals.py --quick    # a small slice, for a smoke test
 """
@@ -145,15 +145,16 @@ def main(argv=None):
         ch = evals.chain_sweep(model, tok, "fp32", [512], [1.0], hops=2, trials=4 if args.quick else 10, seed=0)
         out["chain2_fp32"] = ch.rows
         save("2-hop chain, fp32", t)
-    # 5. passkey, real prose haystack, core formats
+    # 5. passkey, real prose haystack, every format (the same prompts for all; formats already swept are kept)
     for n in prose_lengths:
-        if done(f"passkey prose {n}"):
+        todo = [f for f in fmts if not any(r["length"] == n for r in out["formats"][f.name]["passkey_prose"])]
+        if not todo:
             continue
         t = time.time()
-        res = evals.passkey_sweeps(model, tok, core, [n], depths, per_depth, seed=1, haystack="prose")
+        res = evals.passkey_sweeps(model, tok, todo, [n], depths, per_depth, seed=1, haystack="prose")
         for name, r in res.items():
             out["formats"][name]["passkey_prose"] += r.rows
-        save(f"passkey prose {n}", t)
+        save(f"passkey prose {n}" + ("" if len(todo) == len(fmts) else f" ({len(todo)} formats)"), t)
     print(f"wrote {args.out} in {time.time() - t0:.0f}s")
 
 
