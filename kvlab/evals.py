@@ -188,7 +188,11 @@ def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None) -> dict
         return out
     for f in fmts:
         cache = KVQuantCache(f, quantize_prefill=True)
-        logits = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True).logits[:, -1]
+        try:
+            out_ = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        except TypeError:  # a model without logits_to_keep
+            out_ = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True)
+        logits = out_.logits[:, -1]
         out[f.name] = decode(model, cache, logits, n_new, targets)
     return out
 
