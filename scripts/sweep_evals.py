@@ -12,7 +12,7 @@ run is readable and nothing measured is lost):
 
 plus how long each part took, on what machine, with which versions.
 
-    python scripts/sweep_evals.py            # the shipped sweep (about 85 minutes on 2 CPU cores)
+    python scripts/sweep_evals.py            # the shipped sweep (about 95 minutes on 2 CPU cores)
     python scripts/sweep_evals.py --resume   # finish an interrupted run: steps already in the file are kept
     python scripts/sweep_evals.py --quick    # a small slice, for a smoke test
 """
