@@ -28,8 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving_replay import cpu_model  # noqa: E402
 from kvlab import evals  # noqa: E402
+from kvlab.env import cpu_model  # noqa: E402
 from kvlab.models import load_model  # noqa: E402
 
 TEN = ["fp32", "bf16", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "q4_0", "kivi-4", "kivi-2"]

@@ -10,6 +10,17 @@ from pathlib import Path
 MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "model"
 
 
+def cpu_model() -> str:
+    """The processor's name (from /proc/cpuinfo where there is one), for recording where a measurement ran."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 

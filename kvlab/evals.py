@@ -130,17 +130,31 @@ def _device(model):
     return next(model.parameters()).device
 
 
+def _formats(fmts) -> list[KVFormat]:
+    """One format or a list of them, looked up."""
+    fmts = [get_format(f) for f in ([fmts] if isinstance(fmts, str | KVFormat) else fmts)]
+    if not fmts:
+        raise ValueError("give at least one KV format")
+    return fmts
+
+
+def _last_logits(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
+    """Run the prompt into ``cache``; logits of its last position only (not a [batch, tokens, vocab] tensor)."""
+    ids = input_ids.to(_device(model))
+    try:
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    except TypeError:  # a model without logits_to_keep
+        out = model(ids, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1]
+
+
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor):
     """Full-precision prefill: ``(DynamicCache, logits of the last position)``, shared by every format."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config) if hasattr(model.config, "num_hidden_layers") else DynamicCache()
-    try:
-        out = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    except TypeError:  # a model without logits_to_keep
-        out = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True)
-    return cache, out.logits[:, -1]
+    return cache, _last_logits(model, input_ids, cache)
 
 
 @torch.no_grad()
@@ -188,12 +202,7 @@ def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None) -> dict
         return out
     for f in fmts:
         cache = KVQuantCache(f, quantize_prefill=True)
-        try:
-            out_ = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        except TypeError:  # a model without logits_to_keep
-            out_ = model(input_ids.to(_device(model)), past_key_values=cache, use_cache=True)
-        logits = out_.logits[:, -1]
-        out[f.name] = decode(model, cache, logits, n_new, targets)
+        out[f.name] = decode(model, cache, _last_logits(model, input_ids, cache), n_new, targets)
     return out
 
 
@@ -203,9 +212,7 @@ def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_s
     _check_mode(prefill_mode)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    fmts = [get_format(f) for f in ([fmts] if isinstance(fmts, str | KVFormat) else fmts)]
-    if not fmts:
-        raise ValueError("give at least one KV format")
+    fmts = _formats(fmts)
     info = {"trials": trials, "seed": seed, "prefill": prefill_mode} | (meta or {})
     res = {f.name: EvalResult(task, _model_name(model), f.name, meta=dict(info)) for f in fmts}
     t0 = time.time()
@@ -254,9 +261,8 @@ def chain_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(1.0,), hop
     """Multi-hop variable tracking for several formats; ``depths`` here is how far into the context the links spread."""
     if any(not isinstance(d, int | float) or d <= 0 for d in depths):
         raise ValueError(f"chain depths are spreads and must be > 0, got {depths!r}")
-    res = _sweeps(f"chain{hops}", lambda t, n, d, r: tasks.variable_chain(t, n, d, r, hops=hops), model, tok,
-                  fmts, list(lengths), list(depths), trials, seed, batch_size, progress, prefill, {"hops": hops})
-    return res
+    return _sweeps(f"chain{hops}", lambda t, n, d, r: tasks.variable_chain(t, n, d, r, hops=hops), model, tok,
+                   fmts, list(lengths), list(depths), trials, seed, batch_size, progress, prefill, {"hops": hops})
 
 
 def chain_sweep(model, tok, fmt="bf16", lengths=(512, 1024, 2048), depths=(1.0,), hops=2, trials=5,
@@ -271,9 +277,12 @@ def perplexity(model, tok, fmt="bf16", text: str | None = None, window: int = 51
     """Held-out perplexity with every token's attention reading the quantized cache.
 
     Each window runs in ``prefill="cached"`` mode: every token attends over the
-    dequantized cache, its own K and V included, exactly as if the window had been
-    decoded one token at a time (teacher forcing). A full-precision prefill would
-    leave perplexity untouched by the format, which is why this rung cannot use it.
+    dequantized cache, its own K and V included, as if the window had been decoded
+    one token at a time (teacher forcing). That equivalence is exact for formats
+    without a residual window; with one, the *window's* last ``residual`` tokens stay
+    in full precision for every query (not each query's own last tokens), so the
+    rung under-credits residual windows. A full-precision prefill would leave
+    perplexity untouched by the format, which is why this rung cannot use it.
     """
     if text is None:
         import gzip
@@ -312,8 +321,7 @@ def teacher_comparisons(model, tok, fmts, prompts: list, max_new_tokens: int = 3
         raise ValueError("prompts must be a non-empty list of strings or token-id lists")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be an integer >= 2, got {max_new_tokens!r}")
-    fmts = [get_format(f) for f in ([fmts] if isinstance(fmts, str | KVFormat) else fmts)]
-    teacher_fmt = get_format(teacher_fmt)
+    fmts, teacher_fmt = _formats(fmts), get_format(teacher_fmt)
     acc = {f.name: {"kl": [], "agree": [], "first": []} for f in fmts}
     dev, lens = _device(model), []
     for p in tqdm(prompts, desc="teacher", disable=not progress, leave=False):
@@ -392,6 +400,14 @@ def counts(rows: list[dict], length: int | None = None, min_length: int | None =
     return sum(r["correct"] for r in cells), sum(r["trials"] for r in cells)
 
 
+def rates_with_intervals(pairs: list[tuple[int, int]]) -> tuple[list[float], dict]:
+    """Rates of ``(correct, trials)`` pairs and a plotly ``error_y`` dict drawing their 95% Wilson intervals."""
+    rates = [c / t for c, t in pairs]
+    ci = [wilson(c, t) for c, t in pairs]
+    return rates, dict(type="data", symmetric=False, array=[hi - r for (_, hi), r in zip(ci, rates)],
+                       arrayminus=[r - lo for (lo, _), r in zip(ci, rates)])
+
+
 def falls_at(result: EvalResult, reference: EvalResult, drop: float = 0.2) -> int | None:
     """The shortest context length where ``result`` is at least ``drop`` below ``reference`` (None: never)."""
     if not 0 < drop <= 1:
@@ -430,7 +446,7 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
             "needle_short": cs / ts, "needle_short_lo": wilson(cs, ts)[0], "needle_short_hi": wilson(cs, ts)[1],
             "needle_long": cl / tl, "needle_long_lo": wilson(cl, tl)[0], "needle_long_hi": wilson(cl, tl)[1],
             "prose_long": cp / tp if tp else None,
-            "chain": sum(c["correct"] for c in chain) / sum(c["trials"] for c in chain) if chain else None,
+            "chain": counts(chain)[0] / counts(chain)[1] if chain else None,
             "kl": r["teacher"]["kl"],
             "top1": r["teacher"]["top1_agreement"],
             "first_divergence": r["teacher"]["mean_first_divergence"],

@@ -155,6 +155,7 @@ def retrieval_head_stats(model, tok, fmt, length: int, depth: float = 0.5, seed:
         "mass_predicted": needle_mass(margin, sigma, n),
         # The same comparison in log space, informative even when the share is ~1: the log of the
         # total distractor weight relative to the needle's, predicted ln n + σ²/2 - Δ.
+        "log_leak_clean": math.log(n) - margin,  # exact by the choice of margin (effective_margin)
         "log_leak_predicted": math.log(n) + sigma**2 / 2 - margin,
         "log_leak_measured": float(torch.logsumexp(torch.cat([noisy[:src], noisy[src + 1 :]]).double(), 0)
                                    - noisy[src].double()),

@@ -272,7 +272,7 @@ class SweepExplorer:
         return self._Result("passkey", self.sweep.get("model", ""), name, self.sweep["formats"][name].get(key, []))
 
     def update(self, change=None):
-        from .evals import wilson
+        from .evals import counts, wilson
 
         res = self.result(self.kv_format.value)
         if not res.rows:
@@ -291,8 +291,7 @@ class SweepExplorer:
         ref = self.result(self.reference)
         parts = []
         for n in res.lengths:
-            cells = [r for r in res.rows if r["length"] == n]
-            c, t = sum(r["correct"] for r in cells), sum(r["trials"] for r in cells)
+            c, t = counts(res.rows, length=n)
             lo, hi = wilson(c, t)
             ref_txt = f" ({self.reference} {ref.accuracy(n):.0%})" if ref.rows and n in ref.lengths else ""
             parts.append(f"{n} tokens: <b>{c / t:.0%}</b> [{lo:.0%}, {hi:.0%}]{ref_txt}")

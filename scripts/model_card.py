@@ -20,11 +20,9 @@ from kvlab.models import SMOLLM2_CARD_DIR, SMOLLM2_GGUF, SMOLLM2_WHEEL, smollm2_
 
 
 def table(rows: list[dict]) -> str:
-    res = evals.EvalResult("passkey", "", "fp32", rows)
     out = []
-    for n in res.lengths:
-        cells = [r for r in rows if r["length"] == n]
-        c, t = sum(r["correct"] for r in cells), sum(r["trials"] for r in cells)
+    for n in sorted({r["length"] for r in rows}):
+        c, t = evals.counts(rows, length=n)
         lo, hi = evals.wilson(c, t)
         out.append(f"| {n} | {t} | {c / t:.0%} | {lo:.0%}–{hi:.0%} |")
     return "| context (tokens) | prompts | exact match | 95% interval |\n|---|---|---|---|\n" + "\n".join(out)
@@ -33,7 +31,7 @@ def table(rows: list[dict]) -> str:
 def card(sweep: dict, cfg: dict) -> str:
     fp = sweep["formats"]["fp32"]
     chain = sweep.get("chain2_fp32", [])
-    chain_c, chain_t = sum(r["correct"] for r in chain), sum(r["trials"] for r in chain)
+    chain_c, chain_t = evals.counts(chain)
     return f"""# SmolLM2-135M-Instruct in kvlab: model card
 
 The workbook's subject: Hugging Face's **SmolLM2-135M-Instruct** (Allal et al. 2025, arXiv:2502.02737), a

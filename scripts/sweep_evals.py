@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvlab import evals  # noqa: E402
+from kvlab.env import cpu_model  # noqa: E402
 from kvlab.formats import KVFormat, Quantizer, format_names, get_format  # noqa: E402
 from kvlab.models import DEFAULT_MODEL, load_model  # noqa: E402
 
@@ -56,12 +57,7 @@ def all_formats() -> list[KVFormat]:
 
 
 def machine() -> str:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads"
+    return f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads"
 
 
 def main(argv=None):

@@ -238,3 +238,10 @@ def test_counts_and_where_a_format_falls():
     assert evals.falls_at(ref, ref) is None
     with pytest.raises(ValueError, match="drop"):
         evals.falls_at(res, ref, drop=0)
+
+
+def test_rates_with_intervals_draw_the_wilson_interval():
+    rates, err = evals.rates_with_intervals([(5, 5), (1, 4)])
+    assert rates == [1.0, 0.25] and err["array"][0] == 0.0
+    lo, hi = evals.wilson(1, 4)
+    assert err["arrayminus"][1] == pytest.approx(0.25 - lo) and err["array"][1] == pytest.approx(hi - 0.25)

@@ -67,6 +67,7 @@ def test_retrieval_head_stats_on_a_tiny_llama(tiny_llama):
     # Without noise the theory is exact by construction of the effective margin.
     assert abs(clean["mass_predicted"] - clean["mass_clean"]) < 1e-6
     assert abs(clean["log_leak_predicted"] - clean["log_leak_measured"]) < 1e-4
+    assert abs(clean["log_leak_clean"] - clean["log_leak_measured"]) < 1e-4
     lh = (clean["layer"], clean["head"])
     int4 = theory.retrieval_head_stats(tiny_llama, DigitTok(), "int4_tensor", 200, 0.5, layer_head=lh)
     int8 = theory.retrieval_head_stats(tiny_llama, DigitTok(), "int8", 200, 0.5, layer_head=lh)
