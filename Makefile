@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test lint unit notebooks browser-deps data clean
+.PHONY: lab test quick lint unit notebooks browser-deps data clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ browser-deps:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium missing and cannot be installed here: the browser test will be skipped"; fi; }
+
+# The fast loop while editing: every test not marked slow or browser (under a minute on 2 cores).
+quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not browser" tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests

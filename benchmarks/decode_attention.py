@@ -33,36 +33,19 @@ FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8", "lmdeploy-int8", "int4", "q4_
 HQ, HKV, D = 32, 8, 128
 
 
-def make_cache(fmt, B, T, device):
-    from kvlab.kernels.decode_attention import from_qtensor
-
+def make_cache(fmt, B, T, device, chunk=4096):
+    """K and V stores of ``B`` random sequences of ``T`` tokens, filled ``chunk`` tokens at a time
+    (on CUDA through the append kernel), into buffers of exactly ``T`` tokens."""
     from kvlab.formats import get_format
-    from kvlab.quant import quantize
+    from kvlab.storage import KVStore
 
     f = get_format(fmt)
-    # Quantize in slices to keep the fp32 staging tensor small at 128k context.
-    ks, vs = [], []
-    for _ in range(B):
-        k = torch.randn(1, HKV, T, D, device=device, dtype=torch.bfloat16)
-        v = torch.randn(1, HKV, T, D, device=device, dtype=torch.bfloat16)
-        ks.append(quantize(k, f.key))
-        vs.append(quantize(v, f.value))
-        del k, v
-    cat = lambda qs: _cat(qs)
-    return from_qtensor(cat(ks)), from_qtensor(cat(vs))
-
-
-def _cat(qts):
-    from kvlab.quant import QTensor
-
-    a = qts[0]
-    if len(qts) == 1:
-        return a
-    per = a.scale is not None and a.scale.numel() > 1
-    return QTensor(torch.cat([q.data for q in qts]),
-                   torch.cat([q.scale for q in qts]) if per else a.scale,
-                   None if a.zero is None else (torch.cat([q.zero for q in qts]) if per else a.zero),
-                   (len(qts), *a.shape[1:]), a.quantizer, a.dtype)
+    k, v = (KVStore.allocate(q, B, HKV, T, D, device) for q in (f.key, f.value))
+    for t0 in range(0, T, chunk):
+        n = min(chunk, T - t0)
+        k.append(torch.randn(B, HKV, n, D, device=device, dtype=torch.bfloat16))
+        v.append(torch.randn(B, HKV, n, D, device=device, dtype=torch.bfloat16))
+    return k, v
 
 
 def gpu_info():

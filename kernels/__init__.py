@@ -1,11 +1,15 @@
 """Triton kernels, installed as ``kvlab.kernels``.
 
-On a machine without CUDA the kernels run under Triton's interpreter: this
-module sets ``TRITON_INTERPRET=1`` *before* importing triton (the interpreter
-is chosen when a kernel is decorated). Without triton at all (e.g. macOS),
-``HAVE_TRITON`` is False and the kernel modules raise ImportError with a reason;
-their torch references live in the same files' callers' reach via
-``kvlab.quant`` and ``kvlab.metrics``.
+* :mod:`~kvlab.kernels.decode_attention` — split-KV decode attention that reads a
+  :class:`kvlab.storage.KVStore` (FP16/BF16, FP8, INT8, INT4) without expanding it;
+* :mod:`~kvlab.kernels.quantize_append` — quantizes new tokens straight into a store;
+* :mod:`~kvlab.kernels.reference` — the plain-torch reference, the tile-by-tile torch
+  path the cache uses on a CPU, and the log-sum-exp merge. Needs no triton.
+
+On a machine without CUDA the kernels run under Triton's interpreter: this module
+sets ``TRITON_INTERPRET=1`` *before* importing triton (the interpreter is chosen when
+a kernel is decorated). Without triton at all (e.g. macOS), ``HAVE_TRITON`` is False
+and the two kernel modules raise ImportError with a reason; ``reference`` still works.
 """
 
 import os
@@ -23,5 +27,3 @@ try:
 except ImportError:  # no wheel for this platform
     triton = tl = None
     HAVE_TRITON = False
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

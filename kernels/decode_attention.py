@@ -18,7 +18,7 @@ Gimelshein 2018): it keeps a running max ``m``, a running sum ``l`` of
 splits: ``out = sum_s exp(lse_s - lse) * out_s`` with ``lse = logsumexp_s(lse_s)``.
 A long single sequence therefore still spreads over many programs.
 
-Storage layout (the same as :class:`kvlab.cache.KVQuantLayer`'s store):
+Storage layout (:class:`kvlab.storage.KVStore`, which the cache holds and hands here as is):
 
 * codes ``[batch, kv_heads, capacity, head_dim]`` (``head_dim // 2`` bytes for INT4,
   element ``2i`` in the low nibble);
@@ -27,7 +27,8 @@ Storage layout (the same as :class:`kvlab.cache.KVQuantLayer`'s store):
   tensor (``scale_mode = "tensor"``);
 * integer codes are unsigned; symmetric formats store ``q + 2^(bits-1)``.
 
-``decode_attention_reference`` is the plain-torch reference the tests compare against.
+``decode_attention_reference`` (in :mod:`kvlab.kernels.reference`) is the plain-torch
+reference the tests compare against; ``attend_tiles`` there is this algorithm in torch.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from . import HAVE_TRITON, tl, triton  # kvlab.kernels sets up the interpreter f
 if not HAVE_TRITON:
     raise ImportError("triton is not installed: the decode kernel is unavailable (the torch reference still is)")
 
-from .layout import KINDS, QuantizedKV, allocate, decode_attention_reference, from_qtensor  # noqa: F401
+from kvlab.storage import KVStore, kernel_args
+
+from .reference import decode_attention_reference  # noqa: F401  (re-exported beside the kernel)
 
 # --------------------------------------------------------------------------- kernels
 
@@ -160,16 +163,18 @@ def _strides(t: torch.Tensor | None, n: int):
     return (0,) * n if t is None or t.numel() == 1 else tuple(t.stride()[:n])
 
 
-def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: torch.Tensor,
+def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Tensor,
                      scaling: float | None = None, *, block_n: int = 32, num_splits: int | None = None,
                      return_lse: bool = False):
     """Attention of one query token per sequence over a quantized cache.
 
-    ``q``: ``[batch, q_heads, head_dim]``; ``seq_lens``: ``[batch]`` tokens in each
-    sequence (each at most the cache capacity). Returns float32 ``[batch, q_heads,
-    head_dim]`` (and the log-sum-exp of the logits per head with ``return_lse``).
+    ``q``: ``[batch, q_heads, head_dim]``; ``k``, ``v``: :class:`kvlab.storage.KVStore`;
+    ``seq_lens``: ``[batch]`` tokens in each sequence (each at most the tokens stored).
+    Returns float32 ``[batch, q_heads, head_dim]`` (and the log-sum-exp of the logits per
+    head with ``return_lse``).
     """
-    _validate(q, k, v, seq_lens, block_n)
+    ka, va = _validate(q, k, v, seq_lens, block_n, num_splits)
+    q = q.contiguous()
     B, Hq, D = q.shape
     Hkv = k.codes.shape[1]
     group = Hq // Hkv
@@ -186,7 +191,6 @@ def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: 
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
     ks, kz = (k.scale if k.scale is not None else dummy), (k.zero if k.zero is not None else dummy)
     vs, vz = (v.scale if v.scale is not None else dummy), (v.zero if v.zero is not None else dummy)
-    mode = {"none": 0, "tensor": 1, "token": 2}
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k.codes, ks, kz, v.codes, vs, vz, seq_lens, o_part, lse_part,
         scaling,
@@ -196,8 +200,8 @@ def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: 
         *o_part.stride()[:3], *lse_part.stride()[:2],
         per_split,
         QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=block_n,
-        K_KIND=KINDS[k.kind], K_SYM=k.symmetric, K_SCALE_MODE=mode[k.scale_mode], K_GROUPS=k.n_groups,
-        V_KIND=KINDS[v.kind], V_SYM=v.symmetric, V_SCALE_MODE=mode[v.scale_mode], V_GROUPS=v.n_groups,
+        K_KIND=ka["kind"], K_SYM=ka["symmetric"], K_SCALE_MODE=ka["scale_mode"], K_GROUPS=ka["n_groups"],
+        V_KIND=va["kind"], V_SYM=va["symmetric"], V_SCALE_MODE=va["scale_mode"], V_GROUPS=va["n_groups"],
     )
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
     _merge_kernel[(B, Hq)](
@@ -209,31 +213,48 @@ def decode_attention(q: torch.Tensor, k: QuantizedKV, v: QuantizedKV, seq_lens: 
     return out
 
 
-def _validate(q, k, v, seq_lens, block_n):
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be [batch, q_heads, head_dim], got {getattr(q, 'shape', type(q))}")
+def _validate(q, k, v, seq_lens, block_n, num_splits):
+    """Check everything the kernel would otherwise trust; return the stores' kernel constants."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"q must be a float tensor [batch, q_heads, head_dim], got {getattr(q, 'shape', type(q))}")
     B, Hq, D = q.shape
     if D & (D - 1) or D < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+    args = []
     for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, QuantizedKV):
-            raise TypeError(f"{name} must be a QuantizedKV, got {type(t).__name__}")
+        if not isinstance(t, KVStore):
+            raise TypeError(f"{name} must be a kvlab.storage.KVStore, got {type(t).__name__}")
+        if t.codes is None or t.tokens == 0:
+            raise ValueError(f"{name} holds no tokens")
+        args.append(kernel_args(t))  # raises for formats the kernel does not read
         if t.head_dim != D:
             raise ValueError(f"{name} head_dim {t.head_dim} != q head_dim {D}")
         if t.codes.shape[0] != B:
             raise ValueError(f"{name} batch {t.codes.shape[0]} != q batch {B}")
         if t.codes.device != q.device:
             raise ValueError(f"{name} is on {t.codes.device}, q on {q.device}")
-        if t.scale_mode == "token" and D % t.n_groups:
-            raise ValueError(f"{name}: {t.n_groups} scale groups do not divide head_dim {D}")
-    if k.codes.shape[:3] != v.codes.shape[:3]:
-        raise ValueError(f"k and v caches differ in shape: {tuple(k.codes.shape[:3])} vs {tuple(v.codes.shape[:3])}")
+        if t.codes.stride(-1) != 1:
+            raise ValueError(f"{name} codes must be contiguous along head_dim (stride {t.codes.stride(-1)})")
+        if args[-1]["scale_mode"] == 2:  # per-token scales must exist for every token the kernel may read
+            if t.scale.shape[:3] != t.codes.shape[:3] or t.scale.stride(-1) != 1:
+                raise ValueError(f"{name} scales {tuple(t.scale.shape)} do not cover its codes "
+                                 f"{tuple(t.codes.shape)} token for token")
+            if D % args[-1]["n_groups"]:
+                raise ValueError(f"{name}: {args[-1]['n_groups']} scale groups do not divide head_dim {D}")
+    if k.codes.shape[:2] != v.codes.shape[:2]:
+        raise ValueError(f"k and v differ in batch or heads: {tuple(k.codes.shape[:2])} vs {tuple(v.codes.shape[:2])}")
     Hkv = k.codes.shape[1]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.shape != (B,) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be an integer tensor of shape ({B},)")
-    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > k.codes.shape[2]:
-        raise ValueError(f"seq_lens must be in [1, {k.codes.shape[2]}] (the cache capacity)")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if seq_lens.device != q.device:
+        raise ValueError(f"seq_lens is on {seq_lens.device}, q on {q.device}")
+    held = min(k.tokens, v.tokens)
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > held:
+        raise ValueError(f"seq_lens must be in [1, {held}] (the tokens both stores hold), got {seq_lens.tolist()}")
+    if not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive integer or None, got {num_splits!r}")
+    return args

@@ -4,7 +4,7 @@ During decode every step produces one new key and value per sequence and KV
 head. This kernel computes their per-token (or per-group) scale — and zero
 point for asymmetric formats — rounds them to codes, packs INT4 pairs into
 bytes, and stores codes and scales at each sequence's current length. The
-layout is :mod:`kvlab.kernels.decode_attention`'s, so the decode kernel reads
+layout is :class:`kvlab.storage.KVStore`'s, so the decode kernel reads
 what this one wrote without any conversion.
 
 The arithmetic is :func:`kvlab.quant.quantize`'s, step for step (fp32 maths,
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.storage import KVStore, kernel_args
+
 from . import HAVE_TRITON, tl, triton
-from .layout import KINDS, QuantizedKV
 
 if not HAVE_TRITON:
     raise ImportError("triton is not installed: the append kernel is unavailable")
@@ -108,72 +109,69 @@ def _append_kernel(X, CODES, SCALE, ZERO, POS,
                 tl.store(c_base + tl.arange(0, HEAD_DIM // 2), lo | (hi << 4))
 
 
-def quantize_append(cache: QuantizedKV, x: torch.Tensor, positions: torch.Tensor) -> None:
-    """Quantize ``x`` ``[batch, kv_heads, n_new, head_dim]`` into ``cache`` at ``positions[b]`` onwards.
+def quantize_append(store: KVStore, x: torch.Tensor, positions: torch.Tensor) -> None:
+    """Quantize ``x`` ``[batch, kv_heads, n_new, head_dim]`` into ``store`` at ``positions[b]`` onwards.
 
-    Per-token/group formats compute fresh scales for each new token; a
-    per-tensor cache quantizes against its (frozen) stored scale.
+    Writes into the store's preallocated buffers (its capacity must already hold them;
+    :meth:`KVStore.append` reserves it and calls this on CUDA). Per-token/group formats
+    compute fresh scales for each new token; a per-tensor store quantizes against its
+    frozen scale. Does not move ``store.tokens``.
     """
-    _validate(cache, x, positions)
+    a = _validate(store, x, positions)
     B, H, n, D = x.shape
+    x = x.contiguous()
     dummy = torch.zeros(1, dtype=torch.float16, device=x.device)
-    scale = cache.scale if cache.scale is not None else dummy
-    zero = cache.zero if cache.zero is not None else dummy
-    s_strides = scale.stride()[:3] if cache.scale_mode == "token" else (0, 0, 0)
-    fp8_max = torch.finfo(cache.codes.dtype).max if cache.kind == "fp8" else 1.0
+    scale = store.scale if store.scale is not None else dummy
+    zero = store.zero if store.zero is not None else dummy
+    s_strides = scale.stride()[:3] if a["scale_mode"] == 2 else (0, 0, 0)
+    fp8_max = torch.finfo(store.codes.dtype).max if a["kind"] == 1 else 1.0
     _append_kernel[(B, H, n)](
-        x, cache.codes, scale, zero, positions,
-        *x.stride()[:3], *cache.codes.stride()[:3], *s_strides,
-        HEAD_DIM=D, N_GROUPS=cache.n_groups, KIND=KINDS[cache.kind], SYMMETRIC=cache.symmetric,
-        SCALE_MODE={"none": 0, "tensor": 1, "token": 2}[cache.scale_mode], FP8_MAX=float(fp8_max),
+        x, store.codes, scale, zero, positions,
+        *x.stride()[:3], *store.codes.stride()[:3], *s_strides,
+        HEAD_DIM=D, N_GROUPS=a["n_groups"], KIND=a["kind"], SYMMETRIC=a["symmetric"],
+        SCALE_MODE=a["scale_mode"], FP8_MAX=float(fp8_max),
     )
 
 
-def quantize_append_reference(cache: QuantizedKV, x: torch.Tensor, positions: torch.Tensor) -> None:
+def quantize_append_reference(store: KVStore, x: torch.Tensor, positions: torch.Tensor) -> None:
     """The same, on the host with :func:`kvlab.quant.quantize` (the definition the kernel must match)."""
-    from kvlab.formats import Quantizer
     from kvlab.quant import quantize
 
-    _validate(cache, x, positions)
+    a = _validate(store, x, positions)
     B, H, n, D = x.shape
-    if cache.kind == "float":
-        for b in range(B):
-            p = int(positions[b])
-            cache.codes[b, :, p:p + n] = x[b].to(cache.codes.dtype)
-        return
-    element = {"fp8": "float8_e4m3fn" if cache.codes.dtype == torch.float8_e4m3fn else "float8_e5m2",
-               "int8": "int8", "int4": "int4"}[cache.kind]
-    scale_bits = 16 if cache.scale.dtype == torch.float16 else 32
-    if cache.scale_mode == "tensor":
-        q = Quantizer(element, "tensor", symmetric=cache.symmetric, scale_bits=scale_bits)
-    elif cache.n_groups == 1:
-        q = Quantizer(element, "token", symmetric=cache.symmetric, scale_bits=scale_bits)
-    else:
-        q = Quantizer(element, "group", D // cache.n_groups, symmetric=cache.symmetric, scale_bits=scale_bits)
+    q = store.q
     for b in range(B):
         p = int(positions[b])
-        frozen = cache.scale_mode == "tensor"
-        qt = quantize(x[b:b + 1], q, scale=cache.scale.reshape(1, 1, 1, 1) if frozen else None,
-                      zero=None if (not frozen or cache.zero is None) else cache.zero.reshape(1, 1, 1, 1))
-        cache.codes[b, :, p:p + n] = qt.data[0]
-        if not frozen:
-            cache.scale[b, :, p:p + n] = qt.scale.reshape(H, n, -1)
-            if cache.zero is not None:
-                cache.zero[b, :, p:p + n] = qt.zero.reshape(H, n, -1)
+        frozen = a["scale_mode"] == 1
+        qt = quantize(x[b:b + 1], q, scale=store.scale if frozen else None, zero=store.zero if frozen else None)
+        store.codes[b, :, p:p + n] = qt.data[0]
+        if a["scale_mode"] == 2:
+            store.scale[b, :, p:p + n] = qt.scale.reshape(H, n, -1)
+            if store.zero is not None:
+                store.zero[b, :, p:p + n] = qt.zero.reshape(H, n, -1)
 
 
-def _validate(cache, x, positions):
-    if not isinstance(cache, QuantizedKV):
-        raise TypeError(f"cache must be a QuantizedKV, got {type(cache).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise ValueError(f"x must be [batch, kv_heads, n_new, head_dim], got {getattr(x, 'shape', type(x))}")
+def _validate(store, x, positions):
+    if not isinstance(store, KVStore):
+        raise TypeError(f"store must be a kvlab.storage.KVStore, got {type(store).__name__}")
+    if store.codes is None:
+        raise ValueError("the store has no buffers yet: append its first tokens with KVStore.append")
+    a = kernel_args(store)
+    if store.q.full_range:
+        raise ValueError("the append kernel does not implement full-range (q4_0) rounding; use KVStore.append")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"x must be a float tensor [batch, kv_heads, n_new, head_dim], got {getattr(x, 'shape', type(x))}")
     B, H, n, D = x.shape
-    if D != cache.head_dim or cache.codes.shape[:2] != (B, H):
-        raise ValueError(f"x {tuple(x.shape)} does not fit the cache {tuple(cache.codes.shape)}")
+    if D != store.head_dim or store.codes.shape[:2] != (B, H):
+        raise ValueError(f"x {tuple(x.shape)} does not fit the store {tuple(store.codes.shape)}")
     if D & (D - 1):
         raise ValueError(f"head_dim must be a power of two, got {D}")
-    if positions.shape != (B,) or positions.dtype not in (torch.int32, torch.int64):
+    if not isinstance(positions, torch.Tensor) or positions.shape != (B,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be an integer tensor of shape ({B},)")
-    if int(positions.min()) < 0 or int(positions.max()) + n > cache.codes.shape[2]:
+    if positions.device != x.device or store.codes.device != x.device:
+        raise ValueError(f"x, positions and the store must share a device ({x.device}, {positions.device}, "
+                         f"{store.codes.device})")
+    if int(positions.min()) < 0 or int(positions.max()) + n > store.capacity:
         raise ValueError(f"appending {n} tokens at positions {positions.tolist()} overflows capacity "
-                         f"{cache.codes.shape[2]}")
+                         f"{store.capacity}")
+    return a

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .formats import KVFormat, get_format
+from .paths import DATA_DIR as DATA
+from .paths import PRESETS_DIR as PRESETS
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-PRESETS = DATA / "presets"
 WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 
 
@@ -74,6 +74,8 @@ def preset_names() -> list[str]:
 
 
 def _positive_int(name: str, value, *, zero_ok: bool = False) -> int:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite integer, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     value = int(value)
@@ -112,10 +114,11 @@ def _load_shape(model) -> ModelShape:
         cfg = _config_from_dict(model)
         name = model.get("_name_or_path", model.get("model_type", "config"))
     elif isinstance(model, str | Path):
-        preset = PRESETS / "models" / f"{str(model).lower()}.json"
-        if str(model).lower() == "kvlab-tiny":
+        key = str(model).lower()
+        preset = PRESETS / "models" / f"{key}.json"
+        if key == "kvlab-tiny":
             model = DATA / "model" / "config.json"
-        if preset.exists():
+        if key in preset_names() and preset.exists():  # a name, never a path that walks out of presets/
             doc = json.loads(preset.read_text())
             cfg = _config_from_dict(doc["config"])
             name, source, n_params = doc["name"], doc["source"], doc.get("num_parameters")
@@ -130,7 +133,7 @@ def _load_shape(model) -> ModelShape:
                 )
             try:
                 doc = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"model config {str(path)!r} could not be read as JSON: {e}") from None
             if not isinstance(doc, dict):
                 raise ValueError(f"model config {str(path)!r} must hold a JSON object")
@@ -151,39 +154,70 @@ def _config_from_dict(d: dict):
 
     d = {k: v for k, v in d.items() if not k.startswith("_")}
     try:
-        return AutoConfig.for_model(**d) if "model_type" in d else PretrainedConfig(**d)
-    except (ValueError, KeyError):  # a model_type this transformers does not know
-        return PretrainedConfig(**d)
+        try:
+            return AutoConfig.for_model(**d) if "model_type" in d else PretrainedConfig(**d)
+        except (ValueError, KeyError):  # a model_type this transformers does not know
+            return PretrainedConfig(**d)
+    except Exception as e:  # transformers' own validators (their error types vary by version)
+        msg = str(getattr(e, "__cause__", None) or e).strip().splitlines()[-1]
+        raise ValueError(f"transformers rejects this config: {msg}") from None
+
+
+def _field(cfg, name: str, keys: tuple[str, ...], *, required: bool = True, zero_ok: bool = False):
+    """The first of ``keys`` the config sets (not None), checked to be a positive integer."""
+    for k in keys:
+        v = getattr(cfg, k, None)
+        if v is not None:
+            try:
+                return _positive_int(k, v, zero_ok=zero_ok)
+            except ValueError as e:
+                raise ValueError(f"config for {name!r}: {e}") from None
+    if required:
+        raise ValueError(f"config for {name!r} lacks {' / '.join(keys)}")
+    return None
 
 
 def shape_from_config(cfg, name: str = "model") -> ModelShape:
-    """Per-layer cache shapes from a ``transformers`` config."""
-    g = lambda k, default=None: getattr(cfg, k, default)
-    n_layers = g("num_hidden_layers") or g("n_layer") or g("num_layers")
-    heads = g("num_attention_heads") or g("n_head")
-    if not n_layers or not heads:
-        raise ValueError(f"config for {name!r} lacks num_hidden_layers or num_attention_heads")
-    max_pos = g("max_position_embeddings")
-    if g("kv_lora_rank"):  # multi-head latent attention
-        latent = int(g("kv_lora_rank")) + int(g("qk_rope_head_dim") or 0)
+    """Per-layer cache shapes from a ``transformers`` config (every size checked: positive integers,
+    query heads a multiple of KV heads)."""
+    n_layers = _field(cfg, name, ("num_hidden_layers", "n_layer", "num_layers"))
+    heads = _field(cfg, name, ("num_attention_heads", "n_head"))
+    max_pos = _field(cfg, name, ("max_position_embeddings",), required=False)
+    if getattr(cfg, "kv_lora_rank", None) is not None:  # multi-head latent attention
+        latent = _field(cfg, name, ("kv_lora_rank",))
+        latent += _field(cfg, name, ("qk_rope_head_dim",), required=False, zero_ok=True) or 0
         layers = tuple(LayerSpec(0, 0, None, latent) for _ in range(n_layers))
-        return ModelShape(name, layers, None, max_pos, "mla", q_heads=int(heads))
-    kv_heads = g("num_key_value_heads") or heads
-    head_dim = g("head_dim") or (g("hidden_size") // heads)
-    window = g("sliding_window")
-    types = g("layer_types")
+        return ModelShape(name, layers, None, max_pos, "mla", q_heads=heads)
+    kv_heads = _field(cfg, name, ("num_key_value_heads",), required=False) or heads
+    if heads % kv_heads:
+        raise ValueError(f"config for {name!r}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
+    head_dim = _field(cfg, name, ("head_dim",), required=False)
+    if head_dim is None:
+        hidden = _field(cfg, name, ("hidden_size",))
+        if hidden % heads:
+            raise ValueError(f"config for {name!r}: hidden_size {hidden} is not a multiple of {heads} heads "
+                             f"(and head_dim is not set)")
+        head_dim = hidden // heads
+    window = _field(cfg, name, ("sliding_window",), required=False)
+    types = getattr(cfg, "layer_types", None)
     if types:
+        if not isinstance(types, list | tuple) or len(types) != n_layers:
+            raise ValueError(f"config for {name!r}: layer_types must list one type for each of {n_layers} layers")
         wins = [window if t in ("sliding_attention", "chunked_attention") else None for t in types]
     else:  # e.g. Mistral 7B v0.1: the window applies to every layer
         wins = [window] * n_layers
-    layers = tuple(LayerSpec(int(kv_heads), int(head_dim), w) for w in wins)
+    layers = tuple(LayerSpec(kv_heads, head_dim, w) for w in wins)
     kind = "mha" if kv_heads == heads else ("mqa" if kv_heads == 1 else "gqa")
-    return ModelShape(name, layers, None, max_pos, kind, q_heads=int(heads))
+    return ModelShape(name, layers, None, max_pos, kind, q_heads=heads)
 
 
 def estimate_parameters(cfg) -> int | None:
-    """Rough parameter count of a dense decoder (used when a config has no stated count)."""
-    g = lambda k, default=None: getattr(cfg, k, default)
+    """Rough parameter count of a dense decoder (used when a config has no stated count); None when
+    the config lacks (or has impossible values for) the sizes it needs."""
+    def g(k):
+        v = getattr(cfg, k, None)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
     h, L, V = g("hidden_size"), g("num_hidden_layers"), g("vocab_size")
     heads, inter = g("num_attention_heads"), g("intermediate_size")
     if not all((h, L, V, heads, inter)):
@@ -192,11 +226,20 @@ def estimate_parameters(cfg) -> int | None:
     hd = g("head_dim") or h // heads
     attn = h * hd * heads * 2 + h * hd * kvh * 2
     mlp = 3 * h * inter
-    emb = V * h * (1 if g("tie_word_embeddings", True) else 2)
+    emb = V * h * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
     return int(L * (attn + mlp + 2 * h) + emb + h)
 
 
 # --------------------------------------------------------------------------- arithmetic
+
+
+def _check_tp(shape: ModelShape, tp: int) -> None:
+    """vLLM's rule: the query heads must divide evenly over the ``tp`` ranks (and the KV heads split or replicate)."""
+    if shape.q_heads and shape.q_heads % tp:
+        raise ValueError(f"tp={tp} must divide the model's {shape.q_heads} attention heads")
+    for layer in shape.layers:
+        if not layer.latent_dim:
+            _split_heads(layer.kv_heads, tp)
 
 
 def _split_heads(kv_heads: int, tp: int) -> int:
@@ -268,6 +311,7 @@ def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, bl
     batch = _positive_int("batch", batch)
     context = _positive_int("context", context, zero_ok=True)
     tp = _positive_int("tp", tp)
+    _check_tp(shape, tp)
     block_size = _positive_int("block_size", block_size)
     if full_precision_bits not in (16, 32):
         raise ValueError(f"full_precision_bits must be 16 or 32, got {full_precision_bits!r}")
@@ -304,12 +348,14 @@ class GPU:
     memory_bytes: int
     bandwidth_bytes_per_s: float
     source: str
+    peak_bf16_flops: float = 0.0  # dense BF16 tensor-core peak, FLOP/s
 
 
 def gpus() -> dict[str, GPU]:
     doc = json.loads((PRESETS / "gpus.json").read_text())["gpus"]
     return {
-        k: GPU(k, int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"]) for k, v in doc.items()
+        k: GPU(k, int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12)
+        for k, v in doc.items()
     }
 
 
@@ -354,6 +400,7 @@ def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: fl
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
     tp = _positive_int("tp", tp)
     g = get_gpu(gpu)
+    _check_tp(load_shape(model), tp)
     w = math.ceil(weights_bytes(model, weights_dtype) / tp)
     usable = int(g.memory_bytes * memory_utilization)
     return Fit(g.name, tp, w, usable, usable - w, w <= usable)

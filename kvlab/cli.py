@@ -89,7 +89,7 @@ def cmd_budget(args) -> int:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1, allow_nan=False))
         return 0
     width = max(map(len, out))
     for k, v in out.items():
@@ -109,7 +109,7 @@ def cmd_formats(args) -> int:
         rows.append({"name": name, "bits_per_element@head_dim=128": round(f.bits_per_element(128), 4),
                      "residual": f.residual, "source": f.source})
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1, allow_nan=False))
     else:
         for r in rows:
             print(f"{r['name']:<16} {r['bits_per_element@head_dim=128']:>7.3f} bits  {r['source']}")
@@ -168,7 +168,7 @@ def cmd_niah(args) -> int:
         tmp.replace(args.out)
     if args.json:
         print(json.dumps({"task": res.task, "model": res.model, "kv_format": res.kv_format,
-                          "accuracy": res.accuracy(), "rows": res.rows, "meta": res.meta}, indent=1))
+                          "accuracy": res.accuracy(), "rows": res.rows, "meta": res.meta}, indent=1, allow_nan=False))
     else:
         print(f"{res.task} with {res.kv_format}: exact match {res.accuracy():.1%} over {len(res.rows)} cells")
         for n in res.lengths:
@@ -180,7 +180,7 @@ def cmd_serve_sim(args) -> int:
     from . import serving as S
 
     try:
-        if args.trace:
+        if args.trace is not None:
             reqs = S.load_trace(args.trace, block_size=args.block_size or 512, limit=args.requests)
             block = args.block_size or 512
         else:
@@ -191,13 +191,13 @@ def cmd_serve_sim(args) -> int:
             reqs = S.WORKLOADS[args.workload](block_size=block, seed=args.seed, **kw)
         res = S.simulate(reqs, args.model, args.gpu, args.kv_dtype, weights_dtype=args.weights_dtype,
                          block_size=block, memory_utilization=args.memory_utilization)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, TypeError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     out = res.summary() | {"cost_per_million_output_tokens": res.cost_per_million(args.gpu_hour_usd),
                            "gpu_hour_usd": args.gpu_hour_usd}
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1, allow_nan=False))
     else:
         width = max(map(len, out))
         for k, v in out.items():

@@ -5,9 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
-from pathlib import Path
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "model"
+from .paths import MODEL_DIR
 
 
 def cpu_model() -> str:

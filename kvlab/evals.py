@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from . import tasks
 from .cache import KVQuantCache
 from .formats import KVFormat, get_format
+from .paths import RESULTS_DIR
 
 
 @dataclass
@@ -368,7 +369,7 @@ def golden_prompts(tok, n: int = 3, length: int = 1024, seed: int = 0) -> list[l
 
 # --------------------------------------------------------------------------- the shipped sweep
 
-SWEEP_PATH = Path(__file__).resolve().parents[1] / "data" / "results" / "eval_sweep.json"
+SWEEP_PATH = RESULTS_DIR / "eval_sweep.json"
 
 
 def load_sweep(path: str | Path | None = None) -> dict:
@@ -508,3 +509,21 @@ def trapped_formats(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min
     ref = rows[reference]["needle_long"]
     return [n for n, r in rows.items() if r["ppl_increase"] <= ppl_tol and r["needle_short"] >= short_min
             and r["needle_long"] <= ref - long_drop]
+
+
+def quality_by_length(sweep: dict, formats) -> dict[str, dict[int, float | None]]:
+    """Passkey exact match per format and context length, from chapter 4's ``eval_sweep.json``.
+
+    Every format gets every length the sweep measured (None where it measured no cell).
+    """
+    fmts = sweep.get("formats", {})
+    lengths = sorted({c["length"] for r in fmts.values() for c in r.get("passkey", [])})
+    out = {}
+    for fmt in formats:
+        cells = fmts.get(str(fmt), {}).get("passkey", [])
+        out[str(fmt)] = {}
+        for n in lengths:
+            at = [c for c in cells if c["length"] == n]
+            trials = sum(c["trials"] for c in at)
+            out[str(fmt)][n] = sum(c["correct"] for c in at) / trials if trials else None
+    return out

@@ -18,7 +18,6 @@ events of ``torch.profiler`` (``profile_memory=True``) on a CPU.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -54,7 +53,7 @@ def peak_memory(fn: Callable, *args, device: str | torch.device | None = None, *
 
 
 def unfused_decode(q: torch.Tensor, k, v, scaling: float | None = None, dtype=torch.float32) -> torch.Tensor:
-    """Dequantize all of K and V (``QuantizedKV``), then SDPA. ``q``: ``[batch, q_heads, head_dim]``."""
+    """Dequantize all of K and V (:class:`~kvlab.storage.KVStore`), then SDPA. ``q``: ``[batch, q_heads, head_dim]``."""
     kf, vf = k.dequantize().to(dtype), v.dequantize().to(dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None].to(dtype), kf, vf, scale=scaling, enable_gqa=True)
@@ -64,39 +63,15 @@ def unfused_decode(q: torch.Tensor, k, v, scaling: float | None = None, dtype=to
 def tiled_decode(q: torch.Tensor, k, v, scaling: float | None = None, block: int = 256) -> torch.Tensor:
     """The fused kernel's algorithm in torch: dequantize ``block`` tokens at a time, online softmax.
 
-    Every sequence is taken to be the cache's full length.
+    Every sequence is taken to be the store's full length. (This is
+    :func:`kvlab.kernels.reference.attend_tiles`, the path :class:`kvlab.cache.KVQuantCache`
+    decodes through on a CPU.)
     """
-    from kvlab.kernels.layout import QuantizedKV
+    from kvlab.kernels.reference import attend_tiles
+    from kvlab.storage import KVStore
 
-    if not isinstance(k, QuantizedKV) or not isinstance(v, QuantizedKV):
-        raise TypeError("k and v must be QuantizedKV")
-    if block < 1:
-        raise ValueError(f"block must be >= 1, got {block}")
-    B, Hq, D = q.shape
-    Hkv, T = k.codes.shape[1], k.codes.shape[2]
-    rep = Hq // Hkv
-    scaling = D**-0.5 if scaling is None else scaling
-    qg = q.float().reshape(B, Hkv, rep, D) * scaling
-    m = torch.full((B, Hkv, rep), -math.inf, device=q.device)
-    l = torch.zeros(B, Hkv, rep, device=q.device)  # noqa: E741
-    acc = torch.zeros(B, Hkv, rep, D, device=q.device)
-    for t0 in range(0, T, block):
-        kt = _slice(k, t0, t0 + block).dequantize()  # [B, Hkv, n, D]: one tile, not the cache
-        vt = _slice(v, t0, t0 + block).dequantize()
-        s = qg @ kt.transpose(-1, -2)  # [B, Hkv, rep, n]
-        m_new = torch.maximum(m, s.amax(-1))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])
-        acc = acc * alpha[..., None] + p @ vt
-        l = l * alpha + p.sum(-1)  # noqa: E741
-        m = m_new
-        del kt, vt, s, p
-    return (acc / l[..., None]).reshape(B, Hq, D)
-
-
-def _slice(kv, a: int, b: int):
-    from kvlab.kernels.layout import QuantizedKV
-
-    per_token = kv.scale is not None and kv.scale_mode == "token"
-    cut = lambda t: None if t is None else (t[:, :, a:b] if per_token else t)
-    return QuantizedKV(kv.codes[:, :, a:b], cut(kv.scale), cut(kv.zero), kv.kind, kv.symmetric, kv.head_dim)
+    if not isinstance(k, KVStore) or not isinstance(v, KVStore):
+        raise TypeError("k and v must be kvlab.storage.KVStore")
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive integer, got {block!r}")
+    return attend_tiles(q, k, v, scaling, block=block)[0]

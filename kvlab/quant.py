@@ -76,6 +76,8 @@ def _check_input(x: torch.Tensor, q: Quantizer) -> None:
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims (tokens, head_dim), got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"x is empty (shape {tuple(x.shape)}): there is nothing to quantize")
     if q.granularity == "head" and x.dim() != 4:
         raise ValueError(f"per-head scales need x shaped [batch, heads, tokens, head_dim], got {tuple(x.shape)}")
     tokens, dim = x.shape[-2], x.shape[-1]

@@ -21,12 +21,6 @@ from dataclasses import dataclass
 from . import budget as B
 from .formats import get_format
 
-# Dense BF16 tensor-core peak (no sparsity), vendor datasheets.
-PEAK_BF16_FLOPS = {
-    "L4": 121e12, "A100-40GB": 312e12, "A100-80GB": 312e12, "H100-80GB": 989e12,
-    "H200": 989e12, "B200": 2250e12, "RTX-4090": 165e12,
-}
-
 
 @dataclass(frozen=True)
 class DecodeStep:
@@ -52,7 +46,7 @@ def decode_step(model, batch: int, context: int, kv_format="bf16", gpu: str | No
     q_heads = shape.q_heads
     flops = batch * context * layer.head_dim * 4 * q_heads  # 2 for q.k, 2 for p.v, per query head
     g = B.get_gpu(gpu) if gpu else None
-    ridge = PEAK_BF16_FLOPS[g.name] / g.bandwidth_bytes_per_s if g else None
+    ridge = g.peak_bf16_flops / g.bandwidth_bytes_per_s if g else None
     secs = per_layer / g.bandwidth_bytes_per_s if g else None
     return DecodeStep(shape.name, get_format(kv_format).name, batch, context, per_layer, flops,
                       flops / per_layer, ridge, secs)

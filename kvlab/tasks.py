@@ -28,6 +28,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from .paths import CORPUS_DIR
+
 INTRO = "\nA special number hides somewhere in the long text below. Find it and remember it."
 FILLER = (
     " The grass grows green.",
@@ -93,9 +95,8 @@ def prose_tokens(tok, text: str | None = None) -> list[int]:
     """Held-out English prose as one token list, to cut haystacks from (the project's held-out corpus by default)."""
     if text is None:
         import gzip
-        from pathlib import Path
 
-        text = gzip.open(Path(__file__).resolve().parents[1] / "data" / "corpus" / "heldout.txt.gz", "rt").read()
+        text = gzip.open(CORPUS_DIR / "heldout.txt.gz", "rt").read()
     return _encode(tok, "\n" + text.replace("\n\n", "\n"))
 
 

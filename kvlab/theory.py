@@ -161,3 +161,36 @@ def retrieval_head_stats(model, tok, fmt, length: int, depth: float = 0.5, seed:
                                    - noisy[src].double()),
         "needle_wins": bool(noisy.argmax().item() == src),
     }
+
+
+def retrieval_head_table(model, tok, formats, lengths, depth: float = 0.5, step: int = 2, seed: int = 0) -> dict:
+    """:func:`retrieval_head_stats` for every (length, format), all on one head.
+
+    The head is found on the shortest prompt with the first format, then followed at every
+    length and format, so the rows differ only in what the theory says they differ in. Returns
+    the per-cell ``stats`` keyed ``(length, format)`` and, derived from them: the clean margin,
+    needle share and log-leak per length (``margin``, ``share``, ``clean_leak``; lists in the
+    order of ``lengths``), each format's logit noise σ at the longest length (``sigma``) and its
+    ratio between the longest and shortest (``drift``; None for a format without noise), and the measured minus predicted log-leak
+    per cell (``gap``, nats).
+    """
+    formats, lengths = list(formats), sorted(lengths)
+    if not formats or not lengths:
+        raise ValueError("need at least one format and one length")
+    first = retrieval_head_stats(model, tok, formats[0], lengths[0], depth=depth, step=step, seed=seed)
+    head = (first["layer"], first["head"])
+    stats = {(n, f): retrieval_head_stats(model, tok, f, n, depth=depth, step=step, seed=seed, layer_head=head)
+             for n in lengths for f in formats}
+    clean = [stats[n, formats[0]] for n in lengths]
+    lo, hi = lengths[0], lengths[-1]
+    return {
+        "head": head, "lengths": lengths, "formats": formats, "stats": stats,
+        "margin": [c["margin"] for c in clean],
+        "share": [c["mass_clean"] for c in clean],
+        "clean_leak": [c["log_leak_clean"] for c in clean],
+        "sigma": {f: stats[hi, f]["sigma"] for f in formats},
+        "drift": {f: stats[hi, f]["sigma"] / stats[lo, f]["sigma"] if stats[lo, f]["sigma"] > 0 else None
+                  for f in formats},
+        "gap": {(n, f): stats[n, f]["log_leak_measured"] - stats[n, f]["log_leak_predicted"]
+                for n in lengths for f in formats},
+    }

@@ -129,14 +129,14 @@ class PrefixCacheExplorer:
 
     def __init__(self, model="llama-3.1-8b", gpu="H100-80GB", workload="rag", kv_format="int4",
                  formats=("bf16", "fp8_e4m3", "int4"), pool_gib=(1, 2, 4, 8, 16, 32), n_requests=200):
-        from . import serving as S
+        from . import simulator, workloads
 
-        self._S = S
+        self._sim, self._workloads = simulator, workloads.WORKLOADS
         self.formats, self.pool_gib, self.n = tuple(formats), list(pool_gib), n_requests
         style = {"description_width": "90px"}
         self.model = w.Dropdown(options=B.preset_names(), value=model, description="model", style=style)
         self.gpu = w.Dropdown(options=list(B.gpus()), value=gpu, description="GPU", style=style)
-        self.workload = w.Dropdown(options=list(S.WORKLOADS), value=workload, description="workload", style=style)
+        self.workload = w.Dropdown(options=list(self._workloads), value=workload, description="workload", style=style)
         self.kv_format = w.Dropdown(options=list(self.formats), value=kv_format, description="KV format",
                                     style=style)
         self.table = w.HTML()
@@ -153,13 +153,13 @@ class PrefixCacheExplorer:
 
     def requests(self):
         kw = {"conversations": max(1, self.n // 5)} if self.workload.value == "chat" else {"n": self.n}
-        return self._S.WORKLOADS[self.workload.value](**kw)
+        return self._workloads[self.workload.value](**kw)
 
     def update(self, change=None):
         reqs = self.requests()
         try:
-            curves = self._S.hit_rate_vs_pool(reqs, self.model.value, self.gpu.value, self.formats, self.pool_gib)
-            row = self._S.cost_table(reqs, self.model.value, self.gpu.value, [self.kv_format.value])[0]
+            curves = self._sim.hit_rate_vs_pool(reqs, self.model.value, self.gpu.value, self.formats, self.pool_gib)
+            row = self._sim.cost_table(reqs, self.model.value, self.gpu.value, [self.kv_format.value])[0]
         except ValueError as e:
             self.table.value = f"<span style='color:#b00'>{e}</span>"
             return
@@ -299,6 +299,75 @@ class SweepExplorer:
 
     def widget(self):
         return w.VBox([w.HBox([self.kv_format, self.haystack]), self.fig, self.status])
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget())
+
+
+def cost_table_html(rows: list[dict]) -> str:
+    """:func:`cost_table` rows as an HTML table, scores under the quality threshold flagged in red.
+
+    With per-length quality (:func:`quality_by_length`) there is one column per context length.
+    """
+    per_length = [r for r in rows if isinstance(r["quality"], dict)]
+    if per_length:
+        lengths = sorted({n for r in per_length for n in r["quality"]})
+
+        def cell(r, n):
+            v = r["quality"].get(n) if isinstance(r["quality"], dict) else None
+            if v is None:
+                return "<td>—</td>"
+            style = "" if r["ok"][n] else " style='color:#b00;font-weight:bold'"
+            return f"<td{style}>{v:.0%}</td>"
+
+        head = "".join(f"<th>{n}</th>" for n in lengths)
+        body = "".join(
+            f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
+            + "".join(cell(r, n) for n in lengths) + "</tr>" for r in rows)
+        return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + head + "</tr>" + body
+                + "</table><p>Passkey exact match per context length (tokens); red: under the threshold.</p>")
+
+    def flag(r):
+        return "—" if r["ok"] is None else ("ok" if r["ok"] else "<b style='color:#b00'>below threshold</b>")
+
+    cells = "".join(
+        f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
+        f"<td>{'' if r['quality'] is None else format(r['quality'], '.0%')}</td><td>{flag(r)}</td></tr>"
+        for r in rows)
+    return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th><th>quality</th><th></th></tr>"
+            + cells + "</table>")
+
+
+class CostQualityTable:
+    """Chapter 5's decision table: cost per format from the simulator, beside chapter 4's measured quality.
+
+    A slider sets the minimum passkey exact match a format must reach at each context length;
+    cells under it turn red. ``quality`` is :func:`kvlab.evals.quality_by_length`'s mapping.
+    """
+
+    def __init__(self, requests, model, gpu, formats, quality: dict, threshold: float = 0.9, gpu_hour_usd=3.0):
+        from .simulator import cost_table
+
+        missing = [f for f in formats if all(v is None for v in quality.get(str(f), {}).values())]
+        if missing:
+            raise ValueError(f"no measured quality for {missing}; rerun scripts/sweep_evals.py with these formats")
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+        self._rows = lambda t: cost_table(requests, model, gpu, formats, quality=quality, threshold=t,
+                                          gpu_hour_usd=gpu_hour_usd)
+        self.threshold = w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05, description="min quality")
+        self.table = w.HTML()
+        self.threshold.observe(self.update, names="value")
+        self.update()
+
+    def update(self, change=None):
+        self.rows = self._rows(self.threshold.value)
+        self.table.value = cost_table_html(self.rows)
+
+    def widget(self):
+        return w.VBox([self.threshold, self.table])
 
     def _ipython_display_(self):
         from IPython.display import display

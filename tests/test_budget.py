@@ -178,6 +178,9 @@ def test_monotonic_in_bits(model, batch, ctx):
 @given(st.sampled_from(["llama-3.1-70b", "qwen2.5-7b", "deepseek-v3", "gemma-2-9b"]),
        st.sampled_from([1, 2, 4, 8, 16]), st.integers(1, 100_000), formats)
 def test_tp_per_gpu_times_ranks_covers_total(model, tp, ctx, fmt):
+    from hypothesis import assume
+
+    assume(B.load_shape(model).q_heads % tp == 0)  # e.g. Qwen2.5-7B's 28 heads do not split over 8 ranks
     b = B.budget(model, 1, ctx, fmt, tp=tp)
     assert b.cache_bytes_per_gpu * tp >= b.cache_bytes
 
@@ -188,3 +191,76 @@ def test_windowed_never_exceeds_full(batch, ctx, window):
     windowed = cfg(model_type="mistral", sliding_window=window, num_key_value_heads=2)
     full = cfg(model_type="mistral", sliding_window=None, num_key_value_heads=2)
     assert B.budget(windowed, batch, ctx).cache_bytes <= B.budget(full, batch, ctx).cache_bytes
+
+
+GOOD = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+        "intermediate_size": 1024, "vocab_size": 1000}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"num_key_value_heads": -2}, "num_key_value_heads must be > 0"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be > 0"),  # not silently replaced by a default
+    ({"num_key_value_heads": 3}, "not a multiple of 3 KV heads"),
+    ({"head_dim": -64}, "head_dim must be > 0"),
+    ({"hidden_size": -512}, "hidden_size must be > 0"),
+    ({"num_attention_heads": -8}, "num_attention_heads must be > 0"),
+    ({"sliding_window": -4096}, "sliding_window must be > 0"),
+    ({"kv_lora_rank": -512}, "kv_lora_rank must be > 0"),
+    ({"hidden_size": "512"}, "hidden_size must be an integer"),
+    ({"num_hidden_layers": 2.5}, "must be an integer"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"hidden_size": 500}, "not a multiple of 8 heads"),
+])
+def test_impossible_configs_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        B.budget(GOOD | change, 1, 1024, "int4")
+
+
+def test_tensor_parallel_must_split_the_query_heads():
+    with pytest.raises(ValueError, match="must divide the model's 32 attention heads"):
+        B.fit("llama-3.1-8b", "H100-80GB", tp=1000)
+    with pytest.raises(ValueError, match="must divide the model's 32 attention heads"):
+        B.budget("llama-3.1-8b", 1, 1024, tp=1000)
+    assert B.fit("llama-3.1-8b", "H100-80GB", tp=8).tp == 8
+
+
+sizes = st.one_of(st.integers(-4, 4096), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=3),
+                  st.none(), st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries({}, optional={k: sizes for k in (
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+    "sliding_window", "kv_lora_rank", "intermediate_size", "vocab_size", "max_position_embeddings")}),
+    st.integers(1, 8), st.integers(0, 100_000))
+def test_any_config_gives_a_clear_error_or_sane_numbers(cfg, batch, context):
+    try:
+        b = B.budget(cfg, batch, context, "int4")
+        c = B.max_concurrency(cfg, max(context, 1), "int4", "H100-80GB")
+    except (ValueError, TypeError) as e:
+        assert str(e), "errors must say what is wrong"
+        return
+    for v in (b.cache_bytes, b.cache_bytes_per_gpu, b.bytes_per_token, c):
+        assert isinstance(v, int) and v >= 0
+
+
+@pytest.mark.parametrize("model,match", [
+    ("../gpus", "neither a preset"),  # preset names never walk out of data/presets/models
+    ("/etc/hostname", "could not be read as JSON"),
+    ("data/model/config", "neither a preset"),
+])
+def test_model_names_and_paths(model, match):
+    with pytest.raises(ValueError, match=match):
+        B.budget(model, 1, 10)
+
+
+def test_binary_config_and_non_finite_sizes(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(ValueError, match="could not be read as JSON"):
+        B.budget(p, 1, 10)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="batch must be a finite integer"):
+            B.budget("llama-3.1-8b", bad, 10)
+        with pytest.raises(ValueError, match="context must be a finite integer"):
+            B.max_concurrency("llama-3.1-8b", bad)

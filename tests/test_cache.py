@@ -24,6 +24,7 @@ def test_fp8_per_tensor_matches_transformers_quantized_cache(shipped):
     model, tok = shipped
     ids = torch.tensor([tok.encode("The grass is green. The sky is blue. The pass key is 12345.")])
     hf, ours = QuantizedCache(backend="fp8", config=model.config), KVQuantCache("fp8_e4m3", quantize_prefill=False)
+    model.set_attn_implementation("sdpa")  # bit for bit: both dequantize, then SDPA (kvlab's tiles differ in the last bits)
     with torch.no_grad():
         a, b = model(ids, past_key_values=hf), model(ids, past_key_values=ours)
         assert torch.equal(a.logits, b.logits)
@@ -32,9 +33,10 @@ def test_fp8_per_tensor_matches_transformers_quantized_cache(shipped):
             a, b = model(nxt, past_key_values=hf), model(nxt, past_key_values=ours)
             assert torch.equal(a.logits, b.logits)
             nxt = a.logits[:, -1:].argmax(-1)
+    model.set_attn_implementation("kvlab")
     for lh, lo in zip(hf.layers, ours.layers):
-        assert torch.equal(lh._quantized_keys[0].view(torch.uint8), lo.k_store.qt.data.view(torch.uint8))
-        assert torch.equal(lh._quantized_keys[1].reshape(()), lo.k_store.qt.scale.reshape(()))
+        assert torch.equal(lh._quantized_keys[0].view(torch.uint8), lo.k_store.view().data.view(torch.uint8))
+        assert torch.equal(lh._quantized_keys[1].reshape(()), lo.k_store.scale.reshape(()))
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8_e4m3", "int8", "int4", "q4_0", "kivi-2", "lmdeploy-int4", "hf-int4"])
@@ -75,6 +77,17 @@ def test_bad_arguments():
         KVQuantCache("int8", quantize_prefill="yes")
 
 
+@pytest.fixture
+def kvlab_llama(tiny_llama):
+    """tiny_llama with the "kvlab" attention implementation (as load_model sets it), restored afterwards."""
+    from kvlab.cache import use_kvlab_attention
+
+    use_kvlab_attention(tiny_llama)
+    yield tiny_llama
+    tiny_llama.set_attn_implementation("sdpa")
+
+
+@pytest.mark.slow  # Triton's interpreter on a CPU
 @pytest.mark.parametrize("fmt", ["int4", "fp8_e4m3", "hf-int4", "int8"])
 def test_generation_through_the_fused_kernel(tiny_llama, fmt):
     pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
@@ -85,8 +98,9 @@ def test_generation_through_the_fused_kernel(tiny_llama, fmt):
     cache = KVQuantCache(fmt)
     with fused_attention(tiny_llama, cache):
         fused = greedy(tiny_llama, ids, cache, n=6)
-        assert tiny_llama.config._attn_implementation == "kvlab_fused"
-    assert tiny_llama.config._attn_implementation == "sdpa"
+        assert tiny_llama.config._attn_implementation == "kvlab" and cache.kernel is True
+    assert tiny_llama.config._attn_implementation == "sdpa" and cache.kernel is None
+    assert cache.layers[0].attends  # decode steps really went through attend()
     assert torch.equal(plain, fused)
 
 
@@ -96,29 +110,93 @@ def test_fused_rejects_formats_the_kernel_cannot_read(tiny_llama):
 
     with pytest.raises(ValueError, match="kernel does not read"):
         fused_attention(tiny_llama, KVQuantCache("kivi-4"))
+    with pytest.raises(ValueError, match="kernel does not read"):
+        KVQuantCache("kivi-2", kernel=True)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8", "int4", "q4_0", "kivi-2", "hf-int4", "int4_tensor"])
-def test_what_attention_reads_is_the_stored_cache(tiny_llama, fmt):
-    """The incrementally updated full-precision view equals sinks + dequantized body + residual."""
-    from kvlab.quant import dequantize
+FORMATS = ["fp32", "fp8_e4m3", "int8", "int4", "q4_0", "kivi-2", "hf-int4", "int4_tensor", "int4_token"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_reads_the_stores_and_matches_sdpa_over_the_dequantized_cache(tiny_llama, fmt):
+    """The "kvlab" path (tile by tile over the stores, merged with sinks and residual) = SDPA over the
+    dequantized cache, step by step; and the layers never hold a full-precision copy."""
+    from kvlab.cache import use_kvlab_attention
 
     f = get_format(fmt).with_options(sinks=3, rotate=fmt == "int8")
-    cache = KVQuantCache(f)
     ids = torch.randint(3, 300, (2, 150))
-    with torch.no_grad():
-        tiny_llama(ids, past_key_values=cache)
-        for t in range(40):  # decode steps flush the residual into the body
-            tiny_llama(ids[:, t : t + 1], past_key_values=cache)
+    logits = {}
+    for attn in ("sdpa", "kvlab"):
+        use_kvlab_attention(tiny_llama) if attn == "kvlab" else tiny_llama.set_attn_implementation("sdpa")
+        cache, steps = KVQuantCache(f), []
+        with torch.no_grad():
+            tiny_llama(ids, past_key_values=cache)
+            for t in range(40):  # decode steps flush the residual into the body
+                steps.append(tiny_llama(ids[:, t : t + 1], past_key_values=cache).logits)
+        logits[attn] = torch.cat(steps, 1)
+        assert cache.layers[0].attends == (attn == "kvlab")
+    tiny_llama.set_attn_implementation("sdpa")
+    torch.testing.assert_close(logits["kvlab"], logits["sdpa"], atol=1e-4, rtol=1e-4)
+    full = 2 * 2 * 190 * 64 * 4  # one layer's K (or V) for the whole context, fp32
     for layer in cache.layers:
-        body = dequantize(layer.k_store.qt)
-        if f.rotate:
-            from kvlab.quant import hadamard
+        held = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        assert all(t.numel() * t.element_size() < full for t in held), "a full-precision copy of the cache"
 
-            body = body @ hadamard(body.shape[-1]).T
-        want = torch.cat([layer.sink_k, body, layer.res_k], dim=-2)
-        got, _ = layer._gather()
-        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+def test_padded_batch_decodes_like_sdpa(kvlab_llama):
+    """Left padding: the mask reaches attend() as a bias over the cache's tokens."""
+    ids = torch.randint(3, 300, (2, 60))
+    mask = torch.ones_like(ids)
+    mask[0, :17] = 0
+    outs = {}
+    for attn in ("kvlab", "sdpa"):
+        kvlab_llama.set_attn_implementation(attn)
+        cache = KVQuantCache("int4")
+        outs[attn] = kvlab_llama.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                          past_key_values=cache, pad_token_id=0)
+    assert torch.equal(outs["kvlab"], outs["sdpa"])
+
+
+@pytest.mark.slow  # one cache goes through Triton's interpreter
+def test_two_caches_in_one_process_do_not_interfere(kvlab_llama):
+    """Interleaved decode steps through two caches (one through the kernel) = each cache alone."""
+    pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
+    ids = torch.randint(3, 300, (1, 40))
+
+    def run(cache, kernel=None):
+        cache.kernel = kernel
+        return [kvlab_llama(ids, past_key_values=cache).logits[:, -1]]
+
+    alone = {}
+    for fmt, kernel in (("int8", True), ("kivi-2", None)):
+        cache = KVQuantCache(fmt)
+        out = run(cache, kernel)
+        with torch.no_grad():
+            for t in range(4):
+                out.append(kvlab_llama(ids[:, t : t + 1], past_key_values=cache).logits[:, -1])
+        alone[fmt] = torch.cat(out)
+    a, b = KVQuantCache("int8"), KVQuantCache("kivi-2")
+    with torch.no_grad():
+        outs = {"int8": run(a, True), "kivi-2": run(b)}
+        for t in range(4):
+            outs["int8"].append(kvlab_llama(ids[:, t : t + 1], past_key_values=a).logits[:, -1])
+            outs["kivi-2"].append(kvlab_llama(ids[:, t : t + 1], past_key_values=b).logits[:, -1])
+    for fmt in alone:
+        assert torch.equal(torch.cat(outs[fmt]), alone[fmt]), fmt
+
+
+def test_decode_memory_above_the_cache_is_one_tile():
+    """attend() allocates a tile's worth, not the cache's: the peak does not grow with context."""
+    from kvlab.fusion import peak_memory
+
+    peaks = {}
+    for T in (4096, 16384):  # one tile is 4096 tokens
+        cache = KVQuantCache("int4")
+        cache.update(torch.randn(1, 3, T, 64), torch.randn(1, 3, T, 64), 0)
+        layer, q = cache.layers[0], torch.randn(1, 9, 64)
+        peaks[T] = peak_memory(layer.attend, q)[1], peak_memory(layer.dequantized)[1]
+    assert peaks[16384][0] < 1.25 * peaks[4096][0], peaks
+    assert peaks[16384][0] < peaks[16384][1] / 4, peaks  # expanding the cache costs far more
 
 
 def test_from_prefill_matches_storing_an_unquantized_prefill(tiny_llama):

@@ -86,3 +86,28 @@ def test_niah_prose_haystack_runs_and_saves(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["meta"]["haystack"] == "prose" and doc["meta"]["prefill"] == "full"
     assert json.loads(out.read_text())["rows"][0]["trials"] == 2 and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["budget", "--model", "CONFIG", "--batch", "1", "--context", "8", "--gpu", "H100-80GB"], "num_key_value_heads must be > 0"),
+    (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gpu", "H100-80GB", "--tp", "64"],
+     "must divide the model's 32 attention heads"),
+    (["serve-sim", "--trace", ""], "trace path is empty"),
+    (["serve-sim", "--trace", "TMP"], "is a directory"),
+    (["serve-sim", "--trace", "NAN"], "NaN is not a number JSON allows"),
+    (["serve-sim", "--trace", "GOOD", "--block-size", "16"], "is block_size right"),
+    (["serve-sim", "--model", "CONFIG", "--workload", "rag"], "num_key_value_heads must be > 0"),
+])
+def test_bad_files_and_values_exit_2_with_one_line(argv, needle, tmp_path, capsys):
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": -1,
+                               "hidden_size": 256}))
+    (tmp_path / "nan.jsonl").write_text('{"timestamp": NaN, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
+    (tmp_path / "good.jsonl").write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
+    subst = {"CONFIG": str(cfg), "TMP": str(tmp_path), "NAN": str(tmp_path / "nan.jsonl"),
+             "GOOD": str(tmp_path / "good.jsonl")}
+    assert main([subst.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -1,23 +1,24 @@
 import pytest
 import torch
-from kvlab.kernels import layout as dk
+from kvlab.kernels.reference import decode_attention_reference
 
 from kvlab.formats import get_format
 from kvlab.fusion import peak_memory, tiled_decode, unfused_decode
 from kvlab.quant import quantize
+from kvlab.storage import KVStore
 
 
 def cache(fmt, B=2, H=2, T=600, D=64):
     f = get_format(fmt)
-    return (dk.from_qtensor(quantize(torch.randn(B, H, T, D), f.key)),
-            dk.from_qtensor(quantize(torch.randn(B, H, T, D), f.value)))
+    return (KVStore.from_qtensor(quantize(torch.randn(B, H, T, D), f.key)),
+            KVStore.from_qtensor(quantize(torch.randn(B, H, T, D), f.value)))
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "int8", "int4", "fp8_e4m3"])
 def test_tiled_and_unfused_match_reference(fmt):
     k, v = cache(fmt)
     q = torch.randn(2, 8, 64)
-    ref = dk.decode_attention_reference(q, k, v, torch.tensor([600, 600]))
+    ref = decode_attention_reference(q, k, v, torch.tensor([600, 600]))
     torch.testing.assert_close(tiled_decode(q, k, v, block=128), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(unfused_decode(q, k, v), ref, atol=1e-5, rtol=1e-5)
 
@@ -29,6 +30,7 @@ def test_peak_memory_sees_torch_allocations():
     assert peak >= 12_000_000
 
 
+@pytest.mark.slow
 def test_fused_peak_is_a_tile_not_the_cache():
     """Unfused peak grows with the context; tile-by-tile peak does not."""
     peaks = {}
@@ -43,8 +45,9 @@ def test_fused_peak_is_a_tile_not_the_cache():
     assert peaks[4096][1] < peaks[4096][0] / 4
 
 
+@pytest.mark.slow
 def test_everything_but_the_kernels_works_without_triton(tmp_path):
-    """Where no triton wheel exists, kvlab imports, the layout and torch paths run, and the kernel says why not."""
+    """Where no triton wheel exists, kvlab imports, the storage and torch paths run, and the kernel says why not."""
     import subprocess
     import sys
 
@@ -52,12 +55,12 @@ def test_everything_but_the_kernels_works_without_triton(tmp_path):
 import sys
 sys.modules["triton"] = None  # as if triton were not installed
 import torch, kvlab, kvlab.cache, kvlab.fusion, kvlab.kernels
-from kvlab.kernels.layout import from_qtensor
+from kvlab.storage import KVStore
 from kvlab.quant import quantize
 from kvlab.formats import get_format
 assert kvlab.kernels.HAVE_TRITON is False
 f = get_format("int4")
-k = from_qtensor(quantize(torch.randn(1, 2, 64, 64), f.key)); v = from_qtensor(quantize(torch.randn(1, 2, 64, 64), f.value))
+k = KVStore.from_tensor(torch.randn(1, 2, 64, 64), f.key); v = KVStore.from_tensor(torch.randn(1, 2, 64, 64), f.value)
 kvlab.fusion.tiled_decode(torch.randn(1, 4, 64), k, v)
 try:
     import kvlab.kernels.decode_attention

@@ -58,3 +58,11 @@ def test_two_processes_convert_at_once(tmp_path):
     assert {Path(o.strip().splitlines()[-1]) for o, _ in outs} == {dest}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m"], "a temporary folder was left behind"
     assert (dest / "model.safetensors").stat().st_size > 500e6 and (dest / "tokenizer.json").exists()
+
+
+def test_a_folder_without_a_tokenizer_says_so(tmp_path):
+    import shutil
+
+    shutil.copy(models.MODEL_DIR / "config.json", tmp_path)
+    with pytest.raises(ValueError, match="the folder has no tokenizer"):
+        models.load_model(tmp_path)

@@ -163,3 +163,11 @@ def test_kivi_keys_per_channel_values_per_token():
     # 300 - 128 residual = 172 -> 5 whole groups of 32 quantized, 12 left in full precision
     assert torch.equal(kh[..., 160:, :], k[..., 160:, :]) and not torch.equal(kh[..., :160, :], k[..., :160, :])
     assert torch.equal(vh[..., 172:, :], v[..., 172:, :])
+
+
+def test_empty_input_is_a_clear_error():
+    from kvlab.formats import format_names
+
+    for name in format_names():
+        with pytest.raises(ValueError, match="nothing to quantize"):
+            quantize(torch.empty(1, 2, 0, 64), get_format(name).key)

@@ -115,3 +115,94 @@ def test_quality_per_context_length_join():
     assert rows[1]["ok"] == {512: True, 4096: False} and rows[0]["ok"] == {512: None, 4096: True}
     html = S.cost_table_html(rows)
     assert "<th>512</th><th>4096</th>" in html and html.count("color:#b00") == 1 and "30%" in html
+
+
+LINE = '{{"timestamp": {ts}, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}}\n'
+
+
+@pytest.mark.parametrize("body,msg", [
+    (LINE.format(ts="NaN"), ":1: NaN is not a number JSON allows"),
+    (LINE.format(ts="Infinity"), ":1: Infinity is not a number JSON allows"),
+    (LINE.format(ts="-5"), ":1: timestamp must be a finite number of ms >= 0"),
+    ("\n\n", "holds no requests"),
+    (b"\xff\xfe\x00binary", ":1: not UTF-8 text"),
+])
+def test_bad_traces_name_the_file_and_line(tmp_path, body, msg):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(body if isinstance(body, bytes) else body.encode())
+    with pytest.raises(ValueError, match=msg):
+        S.load_trace(p)
+
+
+def test_trace_paths_and_block_sizes(tmp_path):
+    with pytest.raises(ValueError, match="trace path is empty"):
+        S.load_trace("")
+    with pytest.raises(ValueError, match="is a directory"):
+        S.load_trace(tmp_path)
+    with pytest.raises(ValueError, match="cannot read trace"):
+        S.load_trace(tmp_path / "missing.jsonl")
+    p = tmp_path / "t.jsonl"
+    p.write_text(LINE.format(ts=0))
+    with pytest.raises(ValueError, match="is block_size right"):  # 512-token hash ids read as 16-token blocks
+        S.load_trace(p, block_size=16)
+    reqs = S.load_trace(p)
+    with pytest.raises(ValueError, match="simulate it with block_size=512"):
+        S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=16)
+
+
+def test_simulator_inputs():
+    with pytest.raises(ValueError, match="no requests"):
+        S.simulate([], "llama-3.1-8b", "H100-80GB", "bf16")
+    bad = S.request_from_tokens(float("nan"), list(range(40)), [1], 16)
+    with pytest.raises(ValueError, match="arrival must be a finite number"):
+        S.simulate([bad], "llama-3.1-8b", "H100-80GB", "bf16")
+
+
+def test_the_clock_starts_at_the_first_arrival():
+    """Shifting every arrival by the same amount changes nothing."""
+    prompts = [list(range(i, i + 64)) for i in range(0, 400, 40)]
+    a = S.simulate(seq(*prompts, gap=0.5), "llama-3.1-8b", "L4", "bf16", block_size=4)
+    shifted = [S.Request(r.arrival - 1000.0, r.prompt_len, r.output_len, r.prompt_hashes, r.output_hashes, r.rid,
+                         r.block_size) for r in seq(*prompts, gap=0.5)]
+    b = S.simulate(shifted, "llama-3.1-8b", "L4", "bf16", block_size=4)
+    sa, sb = a.summary(), b.summary()
+    assert sa.keys() == sb.keys()
+    for k in sa:  # equal up to the float rounding of the shifted clock
+        assert sa[k] == (pytest.approx(sb[k], rel=1e-9) if isinstance(sa[k], float) else sb[k]), k
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.fixed_dictionaries({
+    "timestamp": st.one_of(st.integers(-10, 10**7), st.floats(allow_nan=True, allow_infinity=True)),
+    "input_length": st.integers(-2, 5000), "output_length": st.integers(-2, 300),
+    "hash_ids": st.lists(st.integers(0, 20), max_size=12)}), max_size=12))
+def test_any_trace_gives_a_clear_error_or_strict_json(tmp_path_factory, rows):
+    """Generated traces: the CLI exits 0 with JSON that parses strictly, or 2 with one line; never hangs."""
+    import contextlib
+    import io
+    import json
+    import signal
+
+    from kvlab.cli import main
+
+    p = tmp_path_factory.mktemp("t") / "trace.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json.dumps writes NaN / Infinity as Python does
+    out, err = io.StringIO(), io.StringIO()
+
+    def hang(*_):
+        raise TimeoutError("serve-sim did not finish in 30 s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(30)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["serve-sim", "--trace", str(p), "--model", "llama-3.1-8b", "--gpu", "H100-80GB", "--json"])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if code == 0:
+        doc = json.loads(out.getvalue(), parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+        assert all(v >= 0 for v in doc.values() if isinstance(v, int | float))
+    else:
+        e = err.getvalue()
+        assert code == 2 and e.startswith("kvlab: error:") and len(e.splitlines()) == 1, e

@@ -75,3 +75,17 @@ def test_retrieval_head_stats_on_a_tiny_llama(tiny_llama):
     assert int4["n"] == 200  # 200 prompt tokens + 1 answer token, minus the needle and int4["margin"] == clean["margin"]
     with pytest.raises(ValueError, match="step"):
         theory.retrieval_head_stats(tiny_llama, DigitTok(), "fp32", 200, 0.5, step=9)
+
+
+def test_retrieval_head_table_follows_one_head(tiny_llama):
+    t = theory.retrieval_head_table(tiny_llama, DigitTok(), ["fp32", "int4_tensor"], [300, 200], step=1)
+    assert t["lengths"] == [200, 300] and set(t["stats"]) == {(n, f) for n in (200, 300) for f in ("fp32", "int4_tensor")}
+    assert all((s["layer"], s["head"]) == t["head"] for s in t["stats"].values())
+    for i, n in enumerate(t["lengths"]):
+        s = t["stats"][n, "fp32"]
+        assert t["margin"][i] == s["margin"] and t["clean_leak"][i] == s["log_leak_clean"]
+        assert t["gap"][n, "int4_tensor"] == pytest.approx(
+            t["stats"][n, "int4_tensor"]["log_leak_measured"] - t["stats"][n, "int4_tensor"]["log_leak_predicted"])
+    assert t["sigma"]["int4_tensor"] > 1e-3 > t["sigma"]["fp32"] and t["drift"]["int4_tensor"] > 0
+    with pytest.raises(ValueError, match="at least one"):
+        theory.retrieval_head_table(tiny_llama, DigitTok(), [], [200])

@@ -57,6 +57,7 @@ def test_make_batch_shapes_and_answer_weights(tm, tok):
     assert len(ex.answer_ids) == 3  # space + 3 digits + 2 digits: the rows assume it
 
 
+@pytest.mark.slow
 def test_quick_run_writes_a_loadable_model_and_its_record(tm, tmp_path):
     import json
 

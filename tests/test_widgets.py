@@ -28,8 +28,10 @@ def test_kv_format_dropdown_halves_cache():
 
 def test_bad_tp_shows_error_instead_of_raising():
     e = BudgetExplorer(model="qwen2.5-7b")
-    e.tp.value = 8  # 4 KV heads: replicated, fine
+    e.tp.value = 4  # 28 query heads, 4 KV heads: one KV head per rank
     assert "fits" in e.status.value
+    e.tp.value = 8  # vLLM refuses: 28 attention heads do not split over 8 ranks
+    assert "must divide the model's 28 attention heads" in e.status.value
     e.model.value = "llama-3.1-8b"
     assert "GiB" in e.status.value
 

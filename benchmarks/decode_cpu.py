@@ -1,0 +1,145 @@
+"""Benchmark: greedy decode through ``KVQuantCache`` vs ``transformers``' ``DynamicCache``, on a CPU.
+
+For each context length, one full-precision prefill fills a ``DynamicCache``; every preset
+format's cache is filled from it (``KVQuantCache.from_prefill``). Then, in rounds, each cache
+decodes a few greedy tokens, one cache after another, so every ratio compares times measured
+side by side under the same load. Reported per (context, format): median ms per token, its
+ratio to ``DynamicCache`` (median of the per-round ratios), the bytes the cache holds, and the
+decode-time memory of one layer's attention above the cache (``kvlab.fusion.peak_memory`` of
+``KVQuantLayer.attend``) beside one tile's size and the full-precision K and V of that layer
+(what an unfused path would expand). Written to ``data/results/decode_cpu.json`` after each
+context, with the machine.
+
+    python benchmarks/decode_cpu.py [--contexts 1024 4096 8192] [--threads 1] [--quick]
+
+The issue's target (SmolLM2-135M at 8192 tokens): INT8 and FP8 within 1.3x of ``DynamicCache``'s
+time per token, INT4 within 1.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvlab.kernels.reference import attend_tiles  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from kvlab.cache import KVQuantCache  # noqa: E402
+from kvlab.env import cpu_model  # noqa: E402
+from kvlab.formats import format_names, get_format  # noqa: E402
+from kvlab.fusion import peak_memory  # noqa: E402
+from kvlab.models import DATA_DIR, load_model  # noqa: E402
+
+OUT = DATA_DIR / "results" / "decode_cpu.json"
+TILE = attend_tiles.__kwdefaults__["block"]
+
+
+def _copy(dyn: DynamicCache, config) -> DynamicCache:
+    out = DynamicCache(config=config)
+    for i, layer in enumerate(dyn.layers):
+        out.update(layer.keys.clone(), layer.values.clone(), i)
+    return out
+
+
+@torch.no_grad()
+def _decode(model, cache, first: torch.Tensor, n: int) -> float:
+    """Median seconds per greedy token over ``n`` steps."""
+    x, times = first, []
+    for _ in range(n):
+        t = time.perf_counter()
+        out = model(x, past_key_values=cache)
+        times.append(time.perf_counter() - t)
+        x = out.logits[:, -1:].argmax(-1)
+    return statistics.median(times)
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--formats", nargs="+", default=None, help="default: every preset")
+    p.add_argument("--tokens", type=int, default=6, help="greedy tokens per cache per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="kvlab-tiny, 256 tokens, two formats (a smoke test)")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.contexts, args.formats, args.tokens, args.rounds = "kvlab-tiny", [256], ["int8", "int4"], 2, 1
+    formats = args.formats or format_names()
+    for f in formats:
+        try:
+            get_format(f)
+        except ValueError as e:
+            p.error(f"--formats: {e}")
+    if min(args.contexts) < 16 or args.tokens < 1 or args.rounds < 1 or args.threads < 1:
+        p.error("--contexts must be >= 16, and --tokens, --rounds and --threads >= 1")
+    if args.out.is_dir() or not args.out.parent.is_dir():
+        p.error(f"--out {args.out}: must be a file in an existing folder")
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    result = {
+        "what": "ms per greedy decode token, KVQuantCache (kvlab attention: tile by tile over the stores) "
+                "vs DynamicCache (SDPA), same model, same prompt, measured in interleaved rounds",
+        "model": args.model, "threads": args.threads, "tokens_per_round": args.tokens, "rounds": args.rounds,
+        "tile_tokens": TILE, "machine": cpu_model(), "torch": torch.__version__,
+        "date": dt.date.today().isoformat(), "contexts": {},
+    }
+    g = torch.Generator().manual_seed(0)
+    for T in args.contexts:
+        ids = torch.randint(100, min(tok.vocab_size, 30000), (1, T), generator=g)
+        with torch.no_grad():
+            dyn = DynamicCache(config=model.config)
+            out = model(ids, past_key_values=dyn, logits_to_keep=1)
+        first = out.logits[:, -1:].argmax(-1)
+        caches = {"DynamicCache": _copy(dyn, model.config)}
+        caches.update({f: KVQuantCache.from_prefill(f, dyn) for f in formats})
+        times = {name: [] for name in caches}
+        for _ in range(args.rounds):
+            for name, cache in caches.items():
+                times[name].append(_decode(model, cache, first, args.tokens))
+        rows = {}
+        for name, cache in caches.items():
+            ratios = [t / d for t, d in zip(times[name], times["DynamicCache"])]
+            row = {"ms_per_token": round(1000 * statistics.median(times[name]), 2),
+                   "ratio_to_dynamic": round(statistics.median(ratios), 3)}
+            if name != "DynamicCache":
+                layer = cache.layers[0]
+                q = torch.randn(1, model.config.num_attention_heads, layer.k_store.head_dim or 64)
+                _, peak = peak_memory(layer.attend, q)
+                kv_heads, D = layer.sink_k.shape[1], q.shape[-1]
+                row.update(cache_bytes=cache.nbytes, attend_peak_bytes=int(peak),
+                           tile_bytes=2 * kv_heads * min(TILE, layer.get_seq_length()) * D * 4,  # K and V tiles as float32
+                           layer_fp32_kv_bytes=2 * kv_heads * layer.get_seq_length() * D * 4)
+            else:
+                row["cache_bytes"] = sum(la.keys.numel() * la.keys.element_size() * 2 for la in cache.layers)
+            rows[name] = row
+            print(f"{T:>6} {name:>16}: {row['ms_per_token']:8.1f} ms/token  x{row['ratio_to_dynamic']:.2f}", flush=True)
+        result["contexts"][str(T)] = rows
+        _write(args.out, result)
+        del caches, dyn
+    return result
+
+
+if __name__ == "__main__":
+    main()

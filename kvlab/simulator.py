@@ -1,0 +1,397 @@
+"""A trace-driven simulator of one serving replica with a paged, prefix-cached KV pool.
+
+What it models, and where each piece comes from:
+
+* **The pool.** GPU memory x utilization, minus the weights (:func:`kvlab.budget.fit`),
+  cut into blocks of ``block_size`` tokens; a block's bytes are ``block_size`` x the
+  model's bytes per token in the chosen KV format. A smaller format means more blocks.
+* **Prefix caching** as in vLLM's automatic prefix caching: a full block is identified
+  by a hash of its tokens chained on the hash of everything before it, so equal hashes
+  mean equal prefixes. Blocks of running requests are pinned (reference-counted);
+  finished requests' blocks stay cached until space is needed, then the least
+  recently used unreferenced block is evicted first.
+* **Scheduling.** Requests arrive by timestamp and wait in FIFO order. A request is
+  admitted when the blocks it may need (prompt plus output) are free or evictable; its
+  cached prompt prefix is reused and only the rest is prefilled. Decode then extends
+  its blocks one token per step; every full block it writes is hashed and cacheable.
+* **Time.** Each engine step prefills the newly admitted requests' uncached tokens and
+  decodes one token for every running request. Its duration follows a deliberately
+  simple cost model (:class:`CostModel`): prefill is compute-bound, decode is
+  bandwidth-bound (weights plus every running sequence's cache read once per step).
+
+Outputs: per request, prompt tokens found in cache, tokens recomputed, time queued; in
+aggregate, hit rate, prefill tokens saved, peak and mean concurrency, throughput, and
+cost per million tokens for a GPU-hour price.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from . import budget as B
+
+
+@dataclass
+class Request:
+    """One request: arrival time (s), prompt block hashes and lengths."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    prompt_hashes: list[int]  # one per *full* prompt block, chained
+    output_hashes: list[int] | None = None  # hashes of full blocks of prompt+output, past the prompt's
+    rid: int = 0
+    block_size: int | None = None  # tokens per hashed block (None: not recorded)
+
+
+def block_hashes(tokens: list[int], block_size: int, parent: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens`` (a trailing partial block is not hashed)."""
+    out, h = [], parent
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        h = hash((h, tuple(tokens[i : i + block_size])))
+        out.append(h)
+    return out
+
+
+def request_from_tokens(arrival, prompt: list[int], output: list[int], block_size: int, rid=0) -> Request:
+    ph = block_hashes(prompt, block_size)
+    full = block_hashes(prompt + output, block_size)
+    return Request(arrival, len(prompt), len(output), ph, full[len(ph):], rid, block_size)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step time = prefill FLOPs / (peak x MFU) + (weights + cache read) / (bandwidth x MBU).
+
+    Defaults: 2 FLOPs per parameter per prefilled token at 50% of dense BF16 peak, and
+    decode reading all weights plus every running sequence's cache at 70% of peak
+    bandwidth. Round numbers chosen to be plausible, not measured; the comparisons
+    between KV formats depend on them far less than absolute throughput does.
+    """
+
+    params: int
+    weights_bytes: int
+    peak_flops: float
+    bandwidth: float
+    mfu: float = 0.5
+    mbu: float = 0.7
+
+    def step_seconds(self, prefill_tokens: int, decode_cache_bytes: float, decoding: bool) -> float:
+        t = 2 * self.params * prefill_tokens / (self.peak_flops * self.mfu)
+        if decoding:
+            t += (self.weights_bytes + decode_cache_bytes) / (self.bandwidth * self.mbu)
+        return t
+
+
+# --------------------------------------------------------------------------- the pool
+
+
+class BlockPool:
+    """Fixed number of blocks; cached blocks by hash; LRU eviction of unreferenced ones."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool must hold at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.free = num_blocks  # never-used or released uncached blocks
+        self.ref: dict[int, int] = {}  # hash -> reference count, for cached blocks in use
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, oldest first
+        self.anon_in_use = 0  # blocks without a hash (partial blocks) held by running requests
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - self.free
+
+    def available(self) -> int:
+        return self.free + len(self.lru)
+
+    def lookup_prefix(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h in self.ref or h in self.lru:
+                n += 1
+            else:
+                break
+        return n
+
+    def _take_one(self) -> None:
+        if self.free:
+            self.free -= 1
+        elif self.lru:
+            self.lru.popitem(last=False)  # evict the least recently used
+        else:
+            raise RuntimeError("no block free or evictable (the scheduler reserved wrongly)")
+
+    def acquire_cached(self, h: int) -> None:
+        if h in self.lru:
+            del self.lru[h]
+            self.ref[h] = 1
+        else:
+            self.ref[h] += 1
+
+    def acquire_new(self, h: int | None) -> None:
+        """A newly written block; ``h`` set once the block is full, None while partial."""
+        self._take_one()
+        if h is None:
+            self.anon_in_use += 1
+        elif h in self.ref or h in self.lru:  # identical content written by a concurrent request
+            self.free += 1  # share the existing block instead
+            self.acquire_cached(h)
+        else:
+            self.ref[h] = 1
+
+    def seal(self, h: int) -> None:
+        """A partial block became full: give it its hash (or share an identical one)."""
+        self.anon_in_use -= 1
+        if h in self.ref or h in self.lru:
+            self.free += 1
+            self.acquire_cached(h)
+        else:
+            self.ref[h] = 1
+
+    def release(self, h: int | None) -> None:
+        if h is None:
+            self.anon_in_use -= 1
+            self.free += 1
+            return
+        self.ref[h] -= 1
+        if self.ref[h] == 0:
+            del self.ref[h]
+            self.lru[h] = None  # stays cached, now evictable; most recent at the end
+
+
+# --------------------------------------------------------------------------- the simulator
+
+
+@dataclass
+class _Running:
+    req: Request
+    blocks: list[int | None]  # hash per block held (None = partial)
+    generated: int = 0
+    reserved: int = 0  # blocks still reserved for future decode growth
+
+
+@dataclass
+class SimResult:
+    model: str
+    gpu: str
+    kv_format: str
+    block_size: int
+    num_blocks: int
+    pool_bytes: int
+    requests: list[dict] = field(default_factory=list)
+    peak_concurrency: int = 0
+    mean_concurrency: float = 0.0
+    duration_s: float = 0.0
+    max_bytes_held: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r["prompt_tokens"] for r in self.requests)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(r["cached_tokens"] for r in self.requests)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of prompt tokens served from the prefix cache."""
+        return self.cached_tokens / max(1, self.prompt_tokens)
+
+    @property
+    def block_hit_rate(self) -> float:
+        """Fraction of full prompt blocks served from the prefix cache."""
+        return sum(r["cached_blocks"] for r in self.requests) / max(1, sum(r["prompt_blocks"] for r in self.requests))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r["output_tokens"] for r in self.requests)
+
+    @property
+    def throughput(self) -> float:
+        """Generated tokens per second."""
+        return self.output_tokens / self.duration_s if self.duration_s else 0.0
+
+    def cost_per_million(self, gpu_hour_usd: float, tokens: str = "output") -> float:
+        """Dollars per million tokens (``"output"`` or ``"total"`` = prompt + output)."""
+        n = self.output_tokens if tokens == "output" else self.output_tokens + self.prompt_tokens
+        return gpu_hour_usd * self.duration_s / 3600 / max(1, n) * 1e6
+
+    def summary(self) -> dict:
+        return {"model": self.model, "gpu": self.gpu, "kv_format": self.kv_format, "block_size": self.block_size,
+                "num_blocks": self.num_blocks, "requests": len(self.requests), "hit_rate": self.hit_rate,
+                "block_hit_rate": self.block_hit_rate, "prefill_tokens_saved": self.cached_tokens,
+                "prefill_tokens_computed": self.prompt_tokens - self.cached_tokens,
+                "peak_concurrency": self.peak_concurrency, "mean_concurrency": self.mean_concurrency,
+                "throughput_tok_s": self.throughput, "duration_s": self.duration_s,
+                "mean_queue_s": sum(r["queue_s"] for r in self.requests) / max(1, len(self.requests))}
+
+
+def pool_blocks(model, gpu, kv_format, weights_dtype="bf16", block_size=16, memory_utilization=0.9,
+                pool_bytes: int | None = None) -> tuple[int, int, int]:
+    """``(num_blocks, block_bytes, pool_bytes)`` for a model on a GPU (or a fixed ``pool_bytes``)."""
+    block_bytes = B.budget(model, 1, block_size, kv_format).bytes_per_token * block_size
+    if pool_bytes is None:
+        pool_bytes = B.fit(model, gpu, weights_dtype, memory_utilization=memory_utilization).free_for_cache_per_gpu
+    if pool_bytes <= 0:
+        raise ValueError(f"the weights of {model} leave no memory for the KV cache on {gpu}")
+    return pool_bytes // block_bytes, block_bytes, pool_bytes
+
+
+def _check_requests(requests, block_size: int) -> None:
+    """Reject what would make the replay hang or report numbers that mean nothing."""
+    if not isinstance(requests, list | tuple) or not requests:
+        raise ValueError("no requests to simulate (an empty workload or trace has no cost to report)")
+    for r in requests:
+        if not isinstance(r, Request):
+            raise TypeError(f"requests must be kvlab.simulator.Request objects, got {type(r).__name__}")
+        if isinstance(r.arrival, bool) or not isinstance(r.arrival, int | float) or not math.isfinite(r.arrival):
+            raise ValueError(f"request {r.rid}: arrival must be a finite number of seconds, got {r.arrival!r}")
+        if r.prompt_len < 1 or r.output_len < 1:
+            raise ValueError(f"request {r.rid}: prompt and output lengths must be >= 1")
+        if r.block_size is not None and r.block_size != block_size:
+            raise ValueError(f"request {r.rid} was hashed in blocks of {r.block_size} tokens: simulate it with "
+                             f"block_size={r.block_size}, not {block_size}")
+
+
+def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_format="bf16", *,
+             weights_dtype="bf16", block_size=16, memory_utilization=0.9, pool_bytes: int | None = None,
+             num_blocks: int | None = None, cost: CostModel | None = None) -> SimResult:
+    """Replay ``requests`` (sorted by arrival) through one replica; see the module docstring."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    _check_requests(requests, block_size)
+    shape = B.load_shape(model)
+    nb, block_bytes, pbytes = pool_blocks(model, gpu, kv_format, weights_dtype, block_size,
+                                          memory_utilization, pool_bytes)
+    if num_blocks is not None:  # for experiments: an explicit pool size in blocks
+        nb, pbytes = num_blocks, num_blocks * block_bytes
+    g = B.get_gpu(gpu)
+    cost = cost or CostModel(shape.num_parameters or 0, B.weights_bytes(model, weights_dtype),
+                             g.peak_bf16_flops, g.bandwidth_bytes_per_s)
+    pool = BlockPool(nb)
+    res = SimResult(shape.name, g.name, str(kv_format), block_size, nb, pbytes)
+    queue: deque[Request] = deque()
+    running: list[_Running] = []
+    reqs = sorted(requests, key=lambda r: r.arrival)
+    i, now, conc_time, reserved = 0, reqs[0].arrival, 0.0, 0  # the clock starts at the first arrival
+    bytes_per_token = block_bytes / block_size
+    while i < len(reqs) or queue or running:
+        if not running and not queue and i < len(reqs):
+            now = max(now, reqs[i].arrival)
+        while i < len(reqs) and reqs[i].arrival <= now:
+            queue.append(reqs[i])
+            i += 1
+        # admit in FIFO order while the head's worst case fits
+        prefill = 0
+        while queue:
+            r = queue[0]
+            need_total = math.ceil((r.prompt_len + r.output_len) / block_size)
+            if need_total > nb:
+                raise ValueError(f"request {r.rid} needs {need_total} blocks but the pool has {nb}")
+            hit = pool.lookup_prefix(r.prompt_hashes)
+            # cached blocks that are only evictable would be taken out of the evictable set
+            hit_evictable = sum(1 for h in r.prompt_hashes[:hit] if h in pool.lru)
+            if need_total - hit + reserved > pool.available() - hit_evictable:
+                break
+            queue.popleft()
+            for h in r.prompt_hashes[:hit]:
+                pool.acquire_cached(h)
+            blocks: list[int | None] = list(r.prompt_hashes[:hit])
+            for h in r.prompt_hashes[hit:]:
+                pool.acquire_new(h)
+                blocks.append(h)
+            if r.prompt_len % block_size:
+                pool.acquire_new(None)
+                blocks.append(None)
+            grow = need_total - len(blocks)
+            reserved += grow
+            running.append(_Running(r, blocks, 0, grow))
+            prefill += r.prompt_len - hit * block_size
+            res.requests.append({"rid": r.rid, "prompt_tokens": r.prompt_len, "cached_tokens": hit * block_size,
+                                 "recomputed_tokens": r.prompt_len - hit * block_size,
+                                 "prompt_blocks": len(r.prompt_hashes), "cached_blocks": hit,
+                                 "output_tokens": r.output_len, "queue_s": now - r.arrival})
+        if not running:
+            if i < len(reqs):
+                continue
+            break
+        # one engine step: the prefill above, plus one decode token per running request
+        cache_read = sum((x.req.prompt_len + x.generated) * bytes_per_token for x in running)
+        dt = cost.step_seconds(prefill, cache_read, decoding=True)
+        res.peak_concurrency = max(res.peak_concurrency, len(running))
+        conc_time += len(running) * dt
+        now += dt
+        still = []
+        for x in running:
+            x.generated += 1
+            pos = x.req.prompt_len + x.generated  # tokens now held
+            if (pos - 1) % block_size == 0 and pos > 1 and len(x.blocks) < math.ceil(pos / block_size):
+                pool.acquire_new(None)  # decode opens a new block
+                x.blocks.append(None)
+                x.reserved -= 1
+                reserved -= 1
+            if pos % block_size == 0:  # a block just filled: hash it so it can be shared later
+                k = pos // block_size - 1 - len(x.req.prompt_hashes)
+                hashes = x.req.output_hashes or []
+                h = hashes[k] if 0 <= k < len(hashes) else hash(("out", x.req.rid, pos))
+                if x.blocks[-1] is None:
+                    pool.seal(h)
+                    x.blocks[-1] = h
+            if x.generated >= x.req.output_len:
+                for h in x.blocks:
+                    pool.release(h)
+                reserved -= x.reserved
+            else:
+                still.append(x)
+        running = still
+        held = pool.used - len(pool.lru)  # blocks pinned by running requests
+        res.max_bytes_held = max(res.max_bytes_held, held * block_bytes)
+        assert held + reserved <= nb and pool.used <= nb, "the pool was overcommitted"
+    res.duration_s = now - reqs[0].arrival
+    res.mean_concurrency = conc_time / res.duration_s if res.duration_s else 0.0
+    return res
+
+
+# --------------------------------------------------------------------------- sweeps for the chapter
+
+
+def hit_rate_vs_pool(requests: list[Request], model, gpu, formats, pool_gib: list[float], *,
+                     weights_dtype="bf16", block_size=16) -> dict[str, list[float]]:
+    """Prefix hit rate for each format as the pool's *bytes* grow (same bytes -> more blocks in a smaller format)."""
+    out = {}
+    for fmt in formats:
+        out[str(fmt)] = [simulate(requests, model, gpu, fmt, weights_dtype=weights_dtype, block_size=block_size,
+                                  pool_bytes=int(g * 2**30)).hit_rate for g in pool_gib]
+    return out
+
+
+def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0, weights_dtype="bf16",
+               block_size=16, pool_bytes: int | None = None, quality: dict[str, float] | None = None,
+               threshold: float = 0.9) -> list[dict]:
+    """One row per format: hit rate, recomputed tokens, concurrency, throughput, $ per million output tokens.
+
+    ``quality`` maps a format to a score in [0, 1] measured elsewhere (chapter 4's long-context
+    exact match), or to ``{context_length: score}`` (:func:`quality_by_length`); scores below
+    ``threshold`` are flagged ``ok=False`` (per length in the second case).
+    """
+    rows = []
+    for fmt in formats:
+        r = simulate(requests, model, gpu, fmt, weights_dtype=weights_dtype, block_size=block_size,
+                     pool_bytes=pool_bytes)
+        s = r.summary()
+        q = None if quality is None else quality.get(str(fmt))
+        if isinstance(q, dict):  # per context length: flag each length on its own
+            ok = {n: None if v is None else v >= threshold for n, v in q.items()}
+        else:
+            ok = None if q is None else q >= threshold
+        rows.append({"kv_format": str(fmt), "num_blocks": r.num_blocks, "hit_rate": s["hit_rate"],
+                     "recomputed_tokens": s["prefill_tokens_computed"], "peak_concurrency": s["peak_concurrency"],
+                     "throughput_tok_s": s["throughput_tok_s"], "usd_per_m_tokens": r.cost_per_million(gpu_hour_usd),
+                     "quality": q, "ok": ok})
+    return rows

@@ -1,0 +1,328 @@
+"""One of K or V for one layer, stored exactly as the attention kernel reads it.
+
+A :class:`KVStore` is built from a format's :class:`~kvlab.formats.Quantizer` and
+holds three preallocated buffers, in the layout of :mod:`kvlab.kernels`:
+
+* ``codes`` ``[batch, kv_heads, capacity, head_dim * bits / 8]`` — uint8 for
+  integers (INT4 packs element ``2i`` in the low nibble), an fp8 dtype for FP8,
+  a float dtype for unquantized formats;
+* ``scale`` (and ``zero`` for asymmetric integers) — ``[batch, kv_heads, rows,
+  n_groups]`` when scales grow with tokens (per-token: one group; channel groups:
+  ``head_dim / group_size`` groups; token groups, KIVI's keys: one row per
+  ``group_size`` tokens and one value per channel), or the frozen statistics of a
+  per-tensor, per-head or per-channel format, calibrated on the first append.
+
+Capacity grows geometrically, so appending is O(new tokens) amortised. The store
+never keeps a full-precision copy: :meth:`KVStore.dequantize` expands the tokens
+asked for, through :func:`kvlab.quant.dequantize` — the one dequantizer — and
+attention reads it a tile at a time (:mod:`kvlab.kernels.reference`).
+
+:func:`kernel_readable` is the one place that says which quantizers the Triton
+decode kernel reads; :func:`kernel_args` translates a quantizer into the kernel's
+compile-time constants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import Quantizer
+from .quant import FLOAT_DTYPES, FP8_DTYPES, SCALE_DTYPES, QTensor, dequantize, quantize
+
+KERNEL_KINDS = {"float": 0, "fp8": 1, "int8": 2, "int4": 3}
+SCALE_MODES = {"none": 0, "tensor": 1, "token": 2}
+
+
+def kernel_unreadable(q: Quantizer) -> str | None:
+    """Why the decode kernel cannot read ``q``'s storage, or None when it can."""
+    if q.is_passthrough:
+        return None
+    if q.granularity in ("head", "channel") or (q.granularity == "group" and q.group_axis == "token"):
+        axis = f"groups along {q.group_axis}" if q.granularity == "group" else f"per-{q.granularity} scales"
+        return f"{axis}: the kernel reads per-tensor, per-token or channel-grouped scales"
+    if q.kind == "int" and q.bits not in (4, 8):
+        return f"INT{q.bits}: the kernel reads INT8 and INT4"
+    return None
+
+
+def kernel_readable(q: Quantizer) -> bool:
+    """True when :mod:`kvlab.kernels` can attend over (and append to) this quantizer's storage."""
+    return kernel_unreadable(q) is None
+
+
+def check_kernel_readable(q: Quantizer, name: str = "format") -> None:
+    """Raise ``ValueError`` naming ``name`` when the kernel cannot read ``q``."""
+    why = kernel_unreadable(q)
+    if why:
+        raise ValueError(f"the kernel does not read this {name}: {why}")
+
+
+def _grows(q: Quantizer) -> bool:
+    """True when scales are computed per token (or group) as tokens arrive; False when frozen."""
+    return not q.is_passthrough and q.granularity in ("token", "group")
+
+
+def _token_group(q: Quantizer) -> int:
+    """Tokens that share one scale row (KIVI-style token groups), else 1."""
+    return q.group_size if (q.granularity == "group" and q.group_axis == "token") else 1
+
+
+class KVStore:
+    """K or V of one layer in one quantizer's storage layout (see the module docstring).
+
+    >>> s = KVStore(get_format("int4").key)
+    >>> s.append(torch.randn(1, 2, 100, 64))     # quantized into preallocated buffers
+    >>> s.tokens, s.nbytes, s.dequantize(0, 32).shape
+    """
+
+    def __init__(self, q: Quantizer):
+        if not isinstance(q, Quantizer):
+            raise TypeError(f"q must be a kvlab.formats.Quantizer, got {type(q).__name__}")
+        self.q = q
+        self.tokens = 0
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.head_dim = 0
+        self._calibrated = False  # frozen (per-tensor/head/channel) statistics have been set
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def chunk(self) -> int:
+        """Appends must come in multiples of this many tokens (a token group's length, else 1)."""
+        return _token_group(self.q)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.codes is None else self.codes.shape[2]
+
+    @property
+    def kernel_readable(self) -> bool:
+        return kernel_readable(self.q)
+
+    def _code_width(self, head_dim: int) -> int:
+        return head_dim * self.q.bits // 8 if self.q.kind == "int" else head_dim
+
+    def _code_dtype(self):
+        q = self.q
+        if q.is_passthrough:
+            return FLOAT_DTYPES[q.element]
+        return FP8_DTYPES[q.element] if q.kind == "fp8" else torch.uint8
+
+    def _n_groups(self, head_dim: int) -> int:
+        q = self.q
+        if q.granularity == "group":
+            return head_dim // q.group_size if q.group_axis == "channel" else head_dim
+        return 1
+
+    def _reserve(self, need: int, like: torch.Tensor, exact: bool = False) -> None:
+        """Grow the buffers to hold ``need`` tokens (at least doubling), keeping what is stored."""
+        if need <= self.capacity:
+            return
+        B, H, _, D = like.shape
+        g = self.chunk
+        cap = need if exact else max(need, 2 * self.capacity, 64)
+        cap = -(-cap // g) * g
+        codes = torch.zeros(B, H, cap, self._code_width(D), dtype=self._code_dtype(), device=like.device)
+        if self.codes is not None:
+            codes[:, :, : self.tokens] = self.codes[:, :, : self.tokens]
+        self.codes = codes
+        if _grows(self.q):
+            rows, used = cap // g, self.tokens // g
+            sdt = SCALE_DTYPES[self.q.scale_bits]
+            for name in ("scale", "zero"):
+                if name == "zero" and (self.q.symmetric or self.q.kind != "int"):
+                    continue
+                buf = torch.zeros(B, H, rows, self._n_groups(D), dtype=sdt, device=like.device)
+                old = getattr(self, name)
+                if old is not None:
+                    buf[:, :, :used] = old[:, :, :used]
+                setattr(self, name, buf)
+
+    # ------------------------------------------------------------------ write
+    def append(self, x: torch.Tensor) -> None:
+        """Quantize ``x`` ``[batch, kv_heads, n, head_dim]`` and store it after the tokens held.
+
+        Per-token and grouped scales are computed for the new tokens; frozen
+        (per-tensor, per-head, per-channel) statistics come from the first append.
+        On CUDA, kernel-readable integer and FP8 formats quantize with the Triton
+        append kernel; everywhere else on the host with :func:`kvlab.quant.quantize`
+        (the two agree bit for bit: ``tests/test_quantize_append.py``).
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"x must be [batch, kv_heads, tokens, head_dim], got {getattr(x, 'shape', type(x))}")
+        B, H, n, D = x.shape
+        if self.codes is not None and (self.codes.shape[:2] != (B, H) or D != self.head_dim):
+            raise ValueError(f"x {tuple(x.shape)} does not match the store's batch, heads and head_dim "
+                             f"({self.codes.shape[0]}, {self.codes.shape[1]}, {self.head_dim})")
+        if n % self.chunk:
+            raise ValueError(f"this format groups {self.chunk} tokens per scale: append a multiple of "
+                             f"{self.chunk} tokens, got {n}")
+        if n == 0:
+            return
+        calibrate = not self._calibrated
+        self.head_dim = D
+        self._reserve(self.tokens + n, x)
+        if not calibrate and self._append_on_device(x):
+            from .kernels.quantize_append import quantize_append
+
+            pos = torch.full((B,), self.tokens, dtype=torch.int32, device=x.device)
+            quantize_append(self, x, pos)
+        else:
+            self._append_on_host(x, calibrate)
+        self._calibrated = True
+        self.tokens += n
+
+    def _append_on_device(self, x: torch.Tensor) -> bool:
+        q = self.q
+        return x.is_cuda and self.kernel_readable and not q.full_range and bool(torch.isfinite(x).all())
+
+    def _append_on_host(self, x: torch.Tensor, calibrate: bool) -> None:
+        q, t0, n = self.q, self.tokens, x.shape[2]
+        frozen = not calibrate and not _grows(q) and not q.is_passthrough
+        qt = quantize(x, q, scale=self.scale if frozen else None, zero=self.zero if frozen else None)
+        self.codes[:, :, t0:t0 + n] = qt.data
+        if q.is_passthrough:
+            return
+        if not _grows(q):
+            if calibrate:  # calibrate once; later tokens saturate against these statistics
+                self.scale, self.zero = qt.scale, qt.zero
+            return
+        g = self.chunk
+        rows = slice(t0 // g, (t0 + n) // g)
+        B, H = x.shape[:2]
+        self.scale[:, :, rows] = qt.scale.reshape(B, H, n // g, -1)
+        if self.zero is not None:
+            self.zero[:, :, rows] = qt.zero.reshape(B, H, n // g, -1)
+
+    # ------------------------------------------------------------------ read
+    def view(self, start: int = 0, end: int | None = None) -> QTensor:
+        """Tokens ``[start, end)`` as a :class:`~kvlab.quant.QTensor` (views, no copy)."""
+        end = self.tokens if end is None else end
+        g = self.chunk
+        if not 0 <= start <= end <= self.tokens or start % g or (end % g and end != self.tokens):
+            raise ValueError(f"token range [{start}, {end}) is outside the {self.tokens} stored tokens "
+                             f"or cuts a group of {g}")
+        q = self.q
+        B, H = self.codes.shape[:2]
+        shape = (B, H, end - start, self.head_dim)
+        codes = self.codes[:, :, start:end]
+        scale, zero = self.scale, self.zero
+        if _grows(q):
+            rows = slice(start // g, end // g)
+            # back to the shapes quantize() returns: [.., T, G, 1] for channel groups, [.., T/g, 1, D] for token groups
+            if q.granularity == "group" and q.group_axis == "token":
+                cut = lambda t: None if t is None else t[:, :, rows, None, :]
+            elif q.granularity == "group":
+                cut = lambda t: None if t is None else t[:, :, rows, :, None]
+            else:
+                cut = lambda t: None if t is None else t[:, :, rows]
+            scale, zero = cut(scale), cut(zero)
+        return QTensor(codes, scale, zero, shape, q, torch.float32)
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Tokens ``[start, end)`` in float32 (the whole store by default): a new tensor of that size only."""
+        if self.codes is None:
+            raise ValueError("the store is empty")
+        return dequantize(self.view(start, end)).float()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tokens held: codes, plus scales and zeros (frozen statistics counted once)."""
+        if self.codes is None:
+            return 0
+        n, g = self.tokens, self.chunk
+        total = n * self.codes.shape[1] * self.codes.shape[0] * self.codes.shape[3] * self.codes.element_size()
+        for t in (self.scale, self.zero):
+            if t is None:
+                continue
+            if _grows(self.q):
+                total += t[:, :, : n // g].numel() * t.element_size()
+            else:
+                total += t.numel() * t.element_size()
+        return total
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes allocated, including capacity not yet filled."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+
+    # ------------------------------------------------------------------ construct
+    @classmethod
+    def from_qtensor(cls, qt: QTensor) -> KVStore:
+        """A store holding exactly what ``qt`` holds (e.g. the result of ``quantize(x, q)``), copied once."""
+        if not isinstance(qt, QTensor):
+            raise TypeError(f"qt must be a kvlab.quant.QTensor, got {type(qt).__name__}")
+        if len(qt.shape) != 4:
+            raise ValueError(f"a store holds [batch, kv_heads, tokens, head_dim] tensors, got shape {qt.shape}")
+        s = cls(qt.quantizer)
+        B, H, T, D = qt.shape
+        s.head_dim = D
+        like = torch.empty(B, H, 0, D, device=qt.data.device)
+        s._reserve(max(T, s.chunk), like, exact=True)
+        s.codes[:, :, :T] = qt.data
+        if _grows(qt.quantizer):
+            g = s.chunk
+            s.scale[:, :, : T // g] = qt.scale.reshape(B, H, T // g, -1)
+            if s.zero is not None:
+                s.zero[:, :, : T // g] = qt.zero.reshape(B, H, T // g, -1)
+        elif not qt.quantizer.is_passthrough:
+            s.scale, s.zero = qt.scale, qt.zero
+        s._calibrated = True
+        s.tokens = T
+        return s
+
+    @classmethod
+    def allocate(cls, q: Quantizer, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 device="cpu") -> KVStore:
+        """An empty store with room for ``capacity`` tokens (for writing with the append kernel).
+
+        A frozen-scale format holds scale 1 (and zero 0) until its first :meth:`append`
+        calibrates it (or you set ``store.scale``).
+        """
+        for name, val in (("batch", batch), ("kv_heads", kv_heads), ("capacity", capacity), ("head_dim", head_dim)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        s = cls(q)
+        s.head_dim = head_dim
+        s._reserve(capacity, torch.empty(batch, kv_heads, 0, head_dim, device=device), exact=True)
+        if not _grows(q) and not q.is_passthrough:
+            shape = (1, 1, 1, 1) if q.granularity == "tensor" else (1, kv_heads, 1, 1) if q.granularity == "head" \
+                else (batch, kv_heads, 1, head_dim)
+            sdt = SCALE_DTYPES[q.scale_bits]
+            s.scale = torch.ones(shape, dtype=sdt, device=device)
+            s.zero = None if (q.symmetric or q.kind != "int") else torch.zeros(shape, dtype=sdt, device=device)
+        return s
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, q: Quantizer) -> KVStore:
+        """Quantize ``x`` ``[batch, kv_heads, tokens, head_dim]`` into a new store."""
+        s = cls(q)
+        s.append(x)
+        return s
+
+    def to(self, device) -> KVStore:
+        """A copy of this store on ``device``."""
+        out = KVStore(self.q)
+        out.tokens, out.head_dim, out._calibrated = self.tokens, self.head_dim, self._calibrated
+        out.codes, out.scale, out.zero = (None if t is None else t.to(device) for t in (self.codes, self.scale, self.zero))
+        return out
+
+    def __repr__(self) -> str:
+        return f"KVStore({self.q.element}, {self.q.granularity}, tokens={self.tokens}, capacity={self.capacity})"
+
+
+def kernel_args(store: KVStore) -> dict:
+    """The decode and append kernels' compile-time description of ``store``'s quantizer."""
+    check_kernel_readable(store.q)
+    q = store.q
+    kind = "float" if q.is_passthrough else "fp8" if q.kind == "fp8" else f"int{q.bits}"
+    if q.is_passthrough:
+        mode = "none"
+    elif q.granularity == "tensor":
+        mode = "tensor"
+    else:
+        mode = "token"
+    groups = store.scale.shape[-1] if mode == "token" else 1
+    return dict(kind=KERNEL_KINDS[kind], symmetric=q.symmetric or q.kind != "int", scale_mode=SCALE_MODES[mode],
+                n_groups=groups)
