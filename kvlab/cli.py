@@ -3,6 +3,7 @@
     kvlab budget --model llama-3.1-70b --batch 100 --context 32768 --kv-dtype fp8 --gpu H200 --weights-dtype fp8
     kvlab budget --model path/to/config.json --batch 1 --context 8192 --kv-dtype int4 --json
     kvlab formats            # the KV formats kvlab knows, with their bits per element
+    kvlab formats --engines  # the flag or API that selects each preset in each serving engine
     kvlab niah --kv-format int4 --lengths 512,2048 --depths 0,0.5,1 --trials 5 --json
     kvlab serve-sim --workload rag --model llama-3.1-8b --gpu L4 --kv-dtype fp8 --json
 
@@ -103,6 +104,24 @@ def cmd_budget(args) -> int:
 
 
 def cmd_formats(args) -> int:
+    if args.engines:
+        from .formats import engine_table
+
+        t = engine_table()
+        if args.json:
+            print(json.dumps(t, indent=1, allow_nan=False))
+            return 0
+        names = {k: e["name"] for k, e in t["engines"].items()}
+        for preset, opts in t["presets"].items():
+            print(preset)
+            for k, v in opts.items():
+                print(f"  {names[k]:<13} {v or 'not available (no documented option stores exactly this)'}")
+            if preset in t["notes"]:
+                print(f"  note: {t['notes'][preset]}")
+        print("\nsources:")
+        for e in t["engines"].values():
+            print(f"  {e['name']}: {e['source']}")
+        return 0
     rows = []
     for name in format_names():
         f = get_format(name)
@@ -269,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("formats", help="list KV formats and their bits per element")
     f.add_argument("--json", action="store_true")
+    f.add_argument("--engines", action="store_true",
+                   help="how to select each preset in vLLM, SGLang, TensorRT-LLM, llama.cpp, LMDeploy, transformers")
     f.set_defaults(func=cmd_formats)
     return p
 

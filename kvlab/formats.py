@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .paths import PRESETS_DIR
+
 GRANULARITIES = ("tensor", "head", "token", "channel", "group")
 ELEMENTS = {
     # name: (storage bits, kind)
@@ -218,3 +220,26 @@ def format_names() -> list[str]:
         if f.name not in seen:
             seen.append(f.name)
     return seen
+
+
+ENGINES_FILE = PRESETS_DIR / "engines.json"
+
+
+def engine_table() -> dict:
+    """How each preset is selected in vLLM, SGLang, TensorRT-LLM, llama.cpp, LMDeploy and ``transformers``.
+
+    ``{"engines": {key: {"name", "source"}}, "presets": {preset: {engine key: flag or None}}, "notes": {...}}``,
+    read from ``data/presets/engines.json`` (every entry cites the engine's own documentation).
+    """
+    import json
+
+    return json.loads(ENGINES_FILE.read_text())
+
+
+def engine_options(fmt: str | KVFormat) -> dict[str, str | None]:
+    """``{engine name: flag or None}`` for one preset (None: no documented option stores exactly it)."""
+    f = get_format(fmt)
+    t = engine_table()
+    if f.name not in t["presets"]:
+        raise ValueError(f"{f.name!r} is not a preset; engine options exist for: {', '.join(t['presets'])}")
+    return {t["engines"][k]["name"]: v for k, v in t["presets"][f.name].items()}

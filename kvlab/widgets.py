@@ -111,6 +111,7 @@ class BudgetExplorer:
         self.status.value = (
             f"{a['batch']} x {a['context']:,} tokens in {a['kv_format']}: cache {m['cache']:,.1f} GiB per GPU, "
             f"weights {m['weights']:,.1f} GiB, usable {m['usable']:,.1f} GiB &rarr; {verdict}."
+            + _engine_line(a["kv_format"])
         )
 
     def widget(self):
@@ -122,6 +123,18 @@ class BudgetExplorer:
         from IPython.display import display
 
         display(self.widget())
+
+
+def _engine_line(fmt: str) -> str:
+    """HTML: how each engine selects ``fmt`` (kvlab formats --engines), or nothing for a non-preset."""
+    from .formats import engine_options
+
+    try:
+        opts = engine_options(fmt)
+    except ValueError:
+        return ""
+    have = [f"{name}: <code>{flag}</code>" for name, flag in opts.items() if flag]
+    return "<br>Select it with " + ("; ".join(have) if have else "no serving engine's documented options") + "."
 
 
 class PrefixCacheExplorer:

@@ -229,3 +229,11 @@ def test_dead_caches_are_freed_without_the_garbage_collector(tiny_llama):
         assert ref() is None, "a reference cycle keeps every cache of a sweep alive until gc runs"
     finally:
         gc.enable()
+
+
+def test_update_checks_its_inputs():
+    cache = KVQuantCache("int4")
+    with pytest.raises(ValueError, match="same tokens"):
+        cache.update(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 4, 64), 0)
+    with pytest.raises(TypeError, match="kernel must be"):
+        KVQuantCache("int8", kernel="yes")

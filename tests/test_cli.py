@@ -111,3 +111,24 @@ def test_bad_files_and_values_exit_2_with_one_line(argv, needle, tmp_path, capsy
     assert main([subst.get(a, a) for a in argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_formats_engines_names_every_preset_and_cites_every_engine(capsys):
+    import json
+
+    from kvlab.formats import engine_options, engine_table, format_names
+
+    t = engine_table()
+    presets = [n for n in format_names()]
+    assert set(t["presets"]) == set(presets), "every preset needs a row in data/presets/engines.json"
+    for row in t["presets"].values():
+        assert set(row) == set(t["engines"])
+    assert all(len(e["source"]) > 40 for e in t["engines"].values()), "every engine cites its documentation"
+    assert engine_options("fp8")["vLLM"].startswith("--kv-cache-dtype fp8")
+    assert engine_options("q4_0")["llama.cpp"] == "-ctk q4_0 -ctv q4_0 -fa on"
+    assert engine_options("kivi-2")["vLLM"] is None
+    assert main(["formats", "--engines"]) == 0
+    out = capsys.readouterr().out
+    assert "lmdeploy-int4" in out and "--quant-policy 4" in out and "sources:" in out
+    assert main(["formats", "--engines", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["presets"]["fp8_e5m2"]["sglang"] == "--kv-cache-dtype fp8_e5m2"

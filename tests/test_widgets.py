@@ -98,3 +98,10 @@ def test_sweep_explorer_follows_the_dropdown_and_the_haystack():
     assert tuple(trace.z[0]) == (1.0, 0.8) and "prose" in e.fig.layout.title.text
     with pytest.raises(ValueError, match="formats of the sweep"):
         SweepExplorer(_sweep(), kv_format="int3")
+
+
+def test_budget_explorer_names_the_engine_flag():
+    e = BudgetExplorer(model="llama-3.1-8b", kv_format="fp8_e4m3")
+    assert "--kv-cache-dtype fp8" in e.status.value
+    e.kv_format.value = "int4"
+    assert "no serving engine" in e.status.value

@@ -1,0 +1,117 @@
+"""Side by side with the real engines kvlab's presets mirror.
+
+``transformers``' ``QuantizedCache`` with the quanto backend (``optimum-quanto``) is the engine behind
+the ``hf-int4`` preset. :func:`quanto_side_by_side` runs the real thing and kvlab's emulation on the
+same model and the same passkey prompts, from one shared full-precision prefill (both engines attend
+over full-precision K and V during the prompt and quantize what they store), and reports: how often
+greedy decoding gives identical tokens, the KL divergence between their next-token distributions
+(both teacher-forced on the engine's tokens), and passkey exact match for each.
+
+Where the two differ by design (read from ``transformers.cache_utils.QuantizedLayer``):
+
+* **Which tokens stay in full precision.** ``QuantizedCache`` quantizes the whole prompt at prefill and
+  keeps only tokens generated since its last flush in full precision; once that residual reaches
+  ``residual_length`` (128) it dequantizes everything, appends the residual and re-quantizes it all.
+  kvlab keeps the most recent 128 tokens in full precision at all times (KIVI's streaming residual), so
+  the end of the prompt — the passkey question — is read in full precision by kvlab and in INT4 by
+  ``QuantizedCache``.
+* **Rounding.** Both are asymmetric with groups of 64 channels (``axis=0`` in quanto's terms), but quanto
+  stores its scale and shift in its own dtypes and rounds with its own kernels, so codes can differ by
+  one level where a value falls on a rounding boundary.
+* **Re-quantization.** ``QuantizedCache`` re-quantizes already-quantized tokens at every flush; with
+  min/max groups that is close to idempotent, but not bit-exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from . import tasks
+from .cache import KVQuantCache
+from .evals import decode, prefill
+from .formats import KVFormat, Quantizer, get_format
+
+# kvlab's emulation of QuantizedCache(backend="quanto", nbits=n): asymmetric, 64-channel groups, residual 128.
+QUANTO_FORMATS = {
+    4: get_format("hf-int4"),
+    2: KVFormat("hf-int2", Quantizer("int2", "group", 64, symmetric=False), Quantizer("int2", "group", 64, symmetric=False),
+                residual=128, source="transformers QuantizedCache (quanto backend) with nbits=2: q_group_size=64, "
+                                     "residual_length=128 (transformers docs, 'KV cache strategies')"),
+}
+
+
+def quanto_cache(model, nbits: int = 4):
+    """The real ``transformers.QuantizedCache`` with the quanto backend (``optimum-quanto`` must be installed)."""
+    from transformers import QuantizedCache
+
+    if nbits not in QUANTO_FORMATS:
+        raise ValueError(f"nbits must be one of {sorted(QUANTO_FORMATS)} (quanto's KV cache types), got {nbits!r}")
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        raise ImportError("the quanto backend needs optimum-quanto: pip install optimum-quanto") from None
+    return QuantizedCache(backend="quanto", config=model.config, nbits=nbits)
+
+
+def _from_prefill(cache, dyn):
+    for i, layer in enumerate(dyn.layers):  # a QuantizedCache quantizes what its first update stores
+        cache.update(layer.keys, layer.values, i)
+    return cache
+
+
+@torch.no_grad()
+def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials: int = 3, depth: float = 0.5,
+                        new_tokens: int = 8, seed: int = 0, progress: bool = False) -> dict:
+    """The real ``QuantizedCache`` (quanto) vs kvlab's matching preset, prompt by prompt (see the module docstring).
+
+    Returns ``{"hf-int4": {...}, "hf-int2": {...}}`` with, per format: ``identical`` (prompts whose
+    ``new_tokens`` greedy tokens are the same), ``first_divergence`` per prompt, ``kl`` (mean per-token
+    KL(engine || kvlab), teacher-forced on the engine's tokens), ``top1_agreement``, and passkey exact
+    match by length for each (``engine`` and ``kvlab``: ``{length: [correct, trials]}``).
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive integer, got {trials!r}")
+    if not isinstance(new_tokens, int) or new_tokens < 2:
+        raise ValueError(f"new_tokens must be an integer >= 2, got {new_tokens!r}")
+    if not lengths or any(not isinstance(n, int) or n < 64 for n in lengths):
+        raise ValueError(f"lengths must be integers >= 64, got {lengths!r}")
+    nbits = list(nbits)
+    for n in nbits:
+        quanto_cache(model, n)  # checks nbits and the backend before any work
+    out = {QUANTO_FORMATS[n].name: {"nbits": n, "identical": 0, "prompts": 0, "first_divergence": [], "kl": [],
+                                    "top1_agreement": [], "engine": {}, "kvlab": {}} for n in nbits}
+    rng = random.Random(seed)
+    dev = next(model.parameters()).device
+    cells = [(n, t) for n in lengths for t in range(trials)]
+    for length, _ in tqdm(cells, desc="quanto vs kvlab", disable=not progress, leave=False):
+        ex = tasks.passkey(tok, length, depth, rng)
+        ids = torch.tensor([ex.input_ids], device=dev)
+        steps = max(new_tokens, len(ex.answer_ids))
+        dyn, first = prefill(model, ids)
+        answer = torch.tensor(ex.answer_ids)
+        for n in nbits:
+            fmt, row = QUANTO_FORMATS[n], out[QUANTO_FORMATS[n].name]
+            eng = decode(model, _from_prefill(quanto_cache(model, n), dyn), first, steps)[0]
+            ours = decode(model, KVQuantCache.from_prefill(fmt, dyn), first, steps)[0]
+            diff = (eng != ours).nonzero()
+            row["first_divergence"].append(int(diff[0]) if len(diff) else steps)
+            row["identical"] += int(not len(diff))
+            row["prompts"] += 1
+            forced = eng[None, :-1].to(dev)
+            le = model(forced, past_key_values=_from_prefill(quanto_cache(model, n), dyn)).logits[0].float()
+            lo = model(forced, past_key_values=KVQuantCache.from_prefill(fmt, dyn)).logits[0].float()
+            pe, po = torch.log_softmax(le, -1), torch.log_softmax(lo, -1)
+            row["kl"].append((pe.exp() * (pe - po)).sum(-1).clamp_min(0).mean().item())
+            row["top1_agreement"].append((le.argmax(-1) == lo.argmax(-1)).float().mean().item())
+            for side, toks in (("engine", eng), ("kvlab", ours)):
+                c = row[side].setdefault(length, [0, 0])
+                c[0] += int(torch.equal(toks[: len(answer)], answer))
+                c[1] += 1
+    for row in out.values():
+        row["mean_kl"] = sum(row["kl"]) / len(row["kl"])
+        row["mean_top1_agreement"] = sum(row["top1_agreement"]) / len(row["top1_agreement"])
+    return out

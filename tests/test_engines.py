@@ -1,0 +1,43 @@
+import json
+
+import pytest
+
+from kvlab import engines
+from kvlab.paths import RESULTS_DIR
+
+pytest.importorskip("optimum.quanto", reason="optimum-quanto is not installed")
+
+
+@pytest.mark.slow
+def test_quanto_side_by_side_on_the_real_model(smollm2):
+    """The real transformers QuantizedCache (quanto) and kvlab's emulation, live, on one SmolLM2 prompt."""
+    model, tok = smollm2
+    r = engines.quanto_side_by_side(model, tok, lengths=(512,), trials=1, new_tokens=6)
+    i4, i2 = r["hf-int4"], r["hf-int2"]
+    assert i4["prompts"] == i2["prompts"] == 1
+    assert i4["identical"] == 1, f"INT4 greedy tokens should match the engine's: first divergence {i4['first_divergence']}"
+    assert i4["mean_kl"] < 0.05 and i4["mean_top1_agreement"] == 1.0, i4
+    assert i2["mean_kl"] > 5 * i4["mean_kl"], "2-bit should move the distribution far more than 4-bit"
+    assert i4["engine"][512] == i4["kvlab"][512] == [1, 1], "both retrieve the passkey at 512 tokens in INT4"
+
+
+def test_quanto_arguments(smollm2):
+    model, tok = smollm2
+    with pytest.raises(ValueError, match="nbits must be one of"):
+        engines.quanto_cache(model, 3)
+    with pytest.raises(ValueError, match="trials"):
+        engines.quanto_side_by_side(model, tok, trials=0)
+    with pytest.raises(ValueError, match="lengths"):
+        engines.quanto_side_by_side(model, tok, lengths=(8,))
+
+
+def test_shipped_quanto_comparison_has_its_schema():
+    doc = json.loads((RESULTS_DIR / "engines_quanto.json").read_text())
+    assert {"versions", "machine", "date", "seconds", "lengths", "trials", "formats"} <= set(doc)
+    assert set(doc["versions"]) == {"transformers", "optimum-quanto", "torch"}
+    for name in ("hf-int4", "hf-int2"):
+        row = doc["formats"][name]
+        assert row["prompts"] == len(doc["lengths"]) * doc["trials"] == len(row["kl"])
+        for side in ("engine", "kvlab"):
+            assert set(row[side]) == {str(n) for n in doc["lengths"]}
+            assert all(0 <= c <= t == doc["trials"] for c, t in row[side].values())
