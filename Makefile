@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test quick lint unit notebooks browser-deps data clean
+.PHONY: lab test quick lint unit notebooks browser-deps data peers clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,16 @@ data: $(STAMP)
 	$(BIN)/python scripts/train_model.py
 	$(BIN)/python scripts/train_model.py --init-from data/model --continue-stages --lr 5e-4
 	$(BIN)/python scripts/eval_model.py
+
+# The real engines beside kvlab (not part of `make test`): builds llama.cpp from source through
+# llama-cpp-python (about 10 minutes on 2 cores; a portable AVX2 build: the default native build with
+# AVX-512/AMX crashed in its first decode on the machine this was written on), then compares.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF
+peers: $(STAMP)
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet "$(LLAMA_CPP_PYTHON)"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python scripts/compare_engines.py --llama-cpp
+	$(BIN)/python scripts/compare_engines.py --quanto
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -115,3 +115,60 @@ def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials
         row["mean_kl"] = sum(row["kl"]) / len(row["kl"])
         row["mean_top1_agreement"] = sum(row["top1_agreement"]) / len(row["top1_agreement"])
     return out
+
+
+# --------------------------------------------------------------------------- llama.cpp
+
+LLAMA_CACHE_TYPES = ("f16", "q8_0", "q4_0")  # kvlab presets: fp16, q8_0, q4_0
+
+
+def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 2048), depths=(0.0, 0.5, 1.0),
+                     trials: int = 5, seed: int = 0, threads: int | None = None, progress: bool = False) -> dict:
+    """Passkey exact match with llama.cpp (``llama-cpp-python``) running the GGUF file itself.
+
+    The prompts are the ones chapter 4's sweep used (:func:`kvlab.evals.sweep_prompts`), fed as token
+    ids (the GGUF carries the same tokenizer). K and V are both stored as each of ``cache_types``, with
+    flash attention on (llama.cpp needs it for a quantized V). Returns ``{cache type: {"rows": [{length,
+    depth, trials, correct}], "seconds": s}}``.
+
+    What cannot agree bit for bit with kvlab's emulation: llama.cpp runs the file's own Q4_1 weights
+    (kvlab dequantizes them to float32 once), and its CPU dot products quantize activations too. Compare
+    the patterns (which formats hold up, where they fall), not single prompts.
+    """
+    import os
+    import time
+
+    from tqdm.auto import tqdm
+
+    from .evals import sweep_prompts
+
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ImportError("llama.cpp comparisons need llama-cpp-python: `make peers` builds it") from None
+    types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+    bad = [t for t in cache_types if t not in types]
+    if bad:
+        raise ValueError(f"cache types must be among {list(types)}, got {bad}")
+    if not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive integer, got {trials!r}")
+    out = {}
+    for ct in cache_types:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(lengths) + 64, n_batch=512, type_k=types[ct],
+                              type_v=types[ct], flash_attn=True, n_threads=threads or os.cpu_count(),
+                              logits_all=False, verbose=False, seed=seed)
+        rows, t0 = [], time.time()
+        cells = [(n, float(d)) for n in lengths for d in depths]
+        for n, d in tqdm(cells, desc=f"llama.cpp {ct}", disable=not progress, leave=False):
+            correct = 0
+            for ex in sweep_prompts(tasks.passkey, tok, n, d, trials, seed):
+                got = []
+                for t in llm.generate(ex.input_ids, top_k=1, temp=0.0, reset=True):
+                    got.append(t)
+                    if len(got) == len(ex.answer_ids):
+                        break
+                correct += got == ex.answer_ids
+            rows.append({"length": n, "depth": d, "trials": trials, "correct": correct})
+        out[ct] = {"rows": rows, "seconds": round(time.time() - t0, 1)}
+        del llm
+    return out

@@ -207,6 +207,13 @@ def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None) -> dict
     return out
 
 
+def sweep_prompts(make, tok, length: int, depth: float, trials: int, seed: int = 0) -> list:
+    """The ``trials`` prompts a sweep uses at one (length, depth): every format, and every engine compared
+    with kvlab (``scripts/compare_engines.py``), sees exactly these. ``make`` is e.g. :func:`kvlab.tasks.passkey`."""
+    rng = random.Random(f"{seed}-{length}-{depth}")
+    return [make(tok, length, depth, rng) for _ in range(trials)]
+
+
 def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_size, progress, prefill_mode,
             meta=None) -> dict[str, EvalResult]:
     _check_args(lengths, depths, trials)
@@ -219,8 +226,7 @@ def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_s
     t0 = time.time()
     cells = [(n, d) for n in lengths for d in depths]
     for n, d in tqdm(cells, desc=f"{task} x {len(fmts)} formats", disable=not progress, leave=False):
-        rng = random.Random(f"{seed}-{n}-{d}")  # same prompts for every format
-        exs = [make(tok, n, d, rng) for _ in range(trials)]
+        exs = sweep_prompts(make, tok, n, d, trials, seed)
         correct = dict.fromkeys(res, 0)
         for i in range(0, trials, batch_size):
             chunk = exs[i : i + batch_size]

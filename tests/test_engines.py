@@ -41,3 +41,30 @@ def test_shipped_quanto_comparison_has_its_schema():
         for side in ("engine", "kvlab"):
             assert set(row[side]) == {str(n) for n in doc["lengths"]}
             assert all(0 <= c <= t == doc["trials"] for c, t in row[side].values())
+
+
+def test_llamacpp_script_runs_its_first_case():
+    """When llama-cpp-python is installed (make peers), the comparison script runs its first case."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make peers builds it)")
+    import subprocess
+    import sys
+
+    from kvlab.paths import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_engines.py"), "--llama-cpp", "--quick"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"f16": 1}, "f16 should retrieve the 512-token passkey"
+
+
+def test_shipped_llamacpp_comparison_has_its_schema():
+    path = RESULTS_DIR / "engines_llamacpp.json"
+    if not path.exists():
+        pytest.skip("no llama.cpp results shipped yet (make peers writes them)")
+    doc = json.loads(path.read_text())
+    assert {"versions", "machine", "date", "seconds", "lengths", "depths", "trials", "cache_types", "build"} <= set(doc)
+    assert set(doc["cache_types"]) == set(engines.LLAMA_CACHE_TYPES)
+    for v in doc["cache_types"].values():
+        cells = {(r["length"], r["depth"]) for r in v["rows"]}
+        assert cells == {(n, d) for n in doc["lengths"] for d in doc["depths"]}
+        assert all(0 <= r["correct"] <= r["trials"] == doc["trials"] for r in v["rows"]) and v["seconds"] > 0
