@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test quick lint unit notebooks browser-deps data peers clean
+.PHONY: lab test quick lint unit notebooks browser-deps data peers gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ data: $(STAMP)
 	$(BIN)/python scripts/train_model.py
 	$(BIN)/python scripts/train_model.py --init-from data/model --continue-stages --lr 5e-4
 	$(BIN)/python scripts/eval_model.py
+
+# On a machine with a CUDA GPU: the kernel tests natively, fused vs unfused memory, the kernel benchmark,
+# one JSON under data/results/ (refuses without CUDA).
+gpu: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py
 
 # The real engines beside kvlab (not part of `make test`): builds llama.cpp from source through
 # llama-cpp-python (about 10 minutes on 2 cores; a portable AVX2 build: the default native build with

@@ -50,29 +50,55 @@ from .reference import decode_attention_reference  # noqa: F401  (re-exported be
 
 
 @triton.jit
+def _fp8_bits_to_f32(b, E4M3: tl.constexpr):
+    """FP8 codes read as bytes -> float32 with integer operations, for GPUs without FP8 conversions (sm_80).
+
+    E5M2 is the top byte of an fp16. For E4M3, the sign moved to bit 15 and the exponent and mantissa
+    to bits 13..7 of an fp16 give x * 2^-8 exactly (E4M3's exponent bias is 7, fp16's 15), subnormals
+    included; 0x7F and 0xFF are E4M3's NaN.
+    """
+    h = b.to(tl.uint16)
+    if E4M3:
+        bits = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
+        x = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        x = tl.where((h & 0x7F) == 0x7F, float("nan"), x)
+    else:
+        x = (h << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _load_tile(codes_ptr, scale_ptr, zero_ptr, base_row, offs_n, offs_d, mask_n,
                stride_t, s_stride_t, N_GROUPS: tl.constexpr, GROUP: tl.constexpr,
                KIND: tl.constexpr, SYMMETRIC: tl.constexpr, SCALE_MODE: tl.constexpr):
-    """Load BLOCK_N tokens x HEAD_DIM values of K or V and dequantize them to float32."""
+    """Load BLOCK_N tokens x HEAD_DIM values of K or V and dequantize them to float32.
+
+    KIND: 0 float, 1 FP8 (native conversion), 2 INT8, 3 INT4, 4 / 5 FP8 E4M3 / E5M2 read as bytes.
+    """
     rows = base_row + offs_n  # token index inside this (batch, head)
     if KIND == 3:  # int4: two codes per byte, element 2i in the low nibble
         byte = tl.load(codes_ptr + rows[:, None] * stride_t + (offs_d // 2)[None, :], mask=mask_n[:, None])
         x = ((byte >> ((offs_d % 2) * 4)[None, :]) & 0xF).to(tl.float32)
     else:
-        x = tl.load(codes_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=mask_n[:, None]).to(tl.float32)
+        raw = tl.load(codes_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=mask_n[:, None])
+        if KIND == 4 or KIND == 5:
+            x = _fp8_bits_to_f32(raw, KIND == 4)
+        else:
+            x = raw.to(tl.float32)
     # Rows past the end were not loaded: make them exact zeros (0 * p stays 0, never NaN).
     x = tl.where(mask_n[:, None], x, 0.0)
-    if KIND >= 2:
+    IS_INT: tl.constexpr = KIND == 2 or KIND == 3
+    if IS_INT:
         if SYMMETRIC:  # unsigned storage: subtract the 2^(bits-1) offset
             x = x - (128.0 if KIND == 2 else 8.0)
     if SCALE_MODE == 1:  # one scale for the whole tensor
         x = x * tl.load(scale_ptr).to(tl.float32)
-        if KIND >= 2 and not SYMMETRIC:
+        if IS_INT and not SYMMETRIC:
             x = x + tl.load(zero_ptr).to(tl.float32)
     elif SCALE_MODE == 2:  # a scale per token per group of GROUP channels
         sp = rows[:, None] * s_stride_t + (offs_d // GROUP)[None, :]
         x = x * tl.load(scale_ptr + sp, mask=mask_n[:, None], other=1.0).to(tl.float32)
-        if KIND >= 2 and not SYMMETRIC:
+        if IS_INT and not SYMMETRIC:
             x = x + tl.load(zero_ptr + sp, mask=mask_n[:, None], other=0.0).to(tl.float32)
     return x
 
@@ -163,17 +189,34 @@ def _strides(t: torch.Tensor | None, n: int):
     return (0,) * n if t is None or t.numel() == 1 else tuple(t.stride()[:n])
 
 
+def fp8_needs_bits(device) -> bool:
+    """True where FP8 codes must be read as bytes: CUDA GPUs before sm_89 (Ada) lack FP8 conversions."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def _codes_and_kind(store: KVStore, kind: int, bits: bool):
+    """The codes pointer and KIND the kernel gets: FP8 as bytes (KIND 4 / 5) where ``bits``."""
+    if kind == 1 and bits:
+        return store.codes.view(torch.uint8), 4 if store.codes.dtype == torch.float8_e4m3fn else 5
+    return store.codes, kind
+
+
 def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Tensor,
                      scaling: float | None = None, *, block_n: int = 32, num_splits: int | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, fp8_bits: bool | None = None):
     """Attention of one query token per sequence over a quantized cache.
 
     ``q``: ``[batch, q_heads, head_dim]``; ``k``, ``v``: :class:`kvlab.storage.KVStore`;
     ``seq_lens``: ``[batch]`` tokens in each sequence (each at most the tokens stored).
     Returns float32 ``[batch, q_heads, head_dim]`` (and the log-sum-exp of the logits per
-    head with ``return_lse``).
+    head with ``return_lse``). ``fp8_bits``: read FP8 codes as bytes and convert them with integer
+    operations (default: only on GPUs without FP8 conversions, see :func:`fp8_needs_bits`).
     """
     ka, va = _validate(q, k, v, seq_lens, block_n, num_splits)
+    bits = fp8_needs_bits(q.device) if fp8_bits is None else bool(fp8_bits)
+    k_codes, k_kind = _codes_and_kind(k, ka["kind"], bits)
+    v_codes, v_kind = _codes_and_kind(v, va["kind"], bits)
     q = q.contiguous()
     B, Hq, D = q.shape
     Hkv = k.codes.shape[1]
@@ -192,7 +235,7 @@ def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Te
     ks, kz = (k.scale if k.scale is not None else dummy), (k.zero if k.zero is not None else dummy)
     vs, vz = (v.scale if v.scale is not None else dummy), (v.zero if v.zero is not None else dummy)
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k.codes, ks, kz, v.codes, vs, vz, seq_lens, o_part, lse_part,
+        q, k_codes, ks, kz, v_codes, vs, vz, seq_lens, o_part, lse_part,
         scaling,
         q.stride(0), q.stride(1),
         *k.codes.stride()[:3], *_strides(k.scale, 3),
@@ -200,8 +243,8 @@ def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Te
         *o_part.stride()[:3], *lse_part.stride()[:2],
         per_split,
         QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=block_n,
-        K_KIND=ka["kind"], K_SYM=ka["symmetric"], K_SCALE_MODE=ka["scale_mode"], K_GROUPS=ka["n_groups"],
-        V_KIND=va["kind"], V_SYM=va["symmetric"], V_SCALE_MODE=va["scale_mode"], V_GROUPS=va["n_groups"],
+        K_KIND=k_kind, K_SYM=ka["symmetric"], K_SCALE_MODE=ka["scale_mode"], K_GROUPS=ka["n_groups"],
+        V_KIND=v_kind, V_SYM=va["symmetric"], V_SCALE_MODE=va["scale_mode"], V_GROUPS=va["n_groups"],
     )
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
     _merge_kernel[(B, Hq)](

@@ -175,7 +175,11 @@ class KVStore:
 
     def _append_on_device(self, x: torch.Tensor) -> bool:
         q = self.q
-        return x.is_cuda and self.kernel_readable and not q.full_range and bool(torch.isfinite(x).all())
+        if not x.is_cuda or not self.kernel_readable or q.full_range:
+            return False
+        if q.kind == "fp8" and torch.cuda.get_device_capability(x.device) < (8, 9):
+            return False  # no FP8 conversions before sm_89 (kvlab.kernels.aot): quantize on the host
+        return bool(torch.isfinite(x).all())
 
     def _append_on_host(self, x: torch.Tensor, calibrate: bool) -> None:
         q, t0, n = self.q, self.tokens, x.shape[2]

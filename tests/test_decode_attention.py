@@ -129,3 +129,35 @@ def test_generated_shapes_match_the_reference(fmt, B, Hkv, gqa, T, D, strided, s
     torch.testing.assert_close(out, kernels.decode_attention_reference(q, k, v, lens),
                                atol=max(ATOL, 5e-5), rtol=1e-4 if DEV == "cpu" else 1e-2)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_token"])
+def test_fp8_read_as_bytes_matches_the_reference(fmt):
+    """The sm_80 path: FP8 codes loaded as bytes and converted with integer operations."""
+    kq, vq = make(fmt, 2, 2, 300, 64)
+    q = torch.randn(2, 8, 64, device=DEV)
+    lens = torch.tensor([300, 41], dtype=torch.int32, device=DEV)
+    out = kernels.decode_attention(q, kq, vq, lens, fp8_bits=True)
+    torch.testing.assert_close(out, kernels.decode_attention_reference(q, kq, vq, lens), atol=ATOL,
+                               rtol=1e-4 if DEV == "cpu" else 1e-2)
+
+
+def test_fp8_bit_conversion_is_exact_for_every_byte():
+    """All 256 codes of both formats, NaN and the signed zeros included, against torch's own conversion."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(X, OUT, E4M3: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(OUT + offs, kernels._fp8_bits_to_f32(tl.load(X + offs), E4M3))
+
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    for dt, e4m3 in ((torch.float8_e4m3fn, True), (torch.float8_e5m2, False)):
+        out = torch.empty(256, device=DEV)
+        convert[(1,)](codes, out, E4M3=e4m3)
+        want = codes.view(dt).float()
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(out), nan), f"{dt}: NaN codes differ"
+        assert torch.equal(out[~nan], want[~nan]), f"{dt}: values differ"
+        assert torch.equal(torch.signbit(out[~nan]), torch.signbit(want[~nan])), f"{dt}: signed zeros differ"

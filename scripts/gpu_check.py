@@ -1,0 +1,83 @@
+"""Everything a lent GPU should run, in one command (`make gpu`), in well under 8 minutes.
+
+1. The kernel tests, natively (`tests/test_decode_attention.py`, `tests/test_quantize_append.py`, the
+   cache's fused-kernel tests): on a GPU they compile and run for real instead of under the interpreter.
+2. Fused vs unfused peak memory for one decode step (INT4, batch 4, 8 KV heads, head_dim 128, 32k tokens).
+3. `benchmarks/decode_attention.py --quick` (the kernel vs BF16 SDPA for every format).
+
+Writes `data/results/gpu_<gpu>_<date>.json` with the GPU, driver, versions, date and what each step
+measured (the benchmark writes its own JSON beside it, which chapter 3 reads). Refuses with exit status 2
+on a machine without CUDA.
+
+    python scripts/gpu_check.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "data" / "results")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kvlab: error: make gpu needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    if not args.out.is_dir():
+        print(f"kvlab: error: --out {args.out} is not a folder", file=sys.stderr)
+        return 2
+    import triton
+
+    from kvlab.formats import get_format
+    from kvlab.fusion import peak_memory, tiled_decode, unfused_decode
+    from kvlab.storage import KVStore
+
+    name = torch.cuda.get_device_name(0)
+    doc = {"gpu": name, "capability": list(torch.cuda.get_device_capability(0)), "torch": torch.__version__,
+           "triton": triton.__version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        doc["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        doc["driver"] = "unknown"
+    t = time.time()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/test_decode_attention.py", "tests/test_quantize_append.py", "tests/test_storage.py",
+                            "tests/test_cache.py", "-k", "not browser"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    doc["tests"] = {"exit_status": tests.returncode, "summary": tests.stdout.strip().splitlines()[-1:],
+                    "seconds": round(time.time() - t, 1)}
+    f = get_format("int4")
+    k = KVStore.from_tensor(torch.randn(4, 8, 32768, 128, device="cuda", dtype=torch.bfloat16), f.key)
+    v = KVStore.from_tensor(torch.randn(4, 8, 32768, 128, device="cuda", dtype=torch.bfloat16), f.value)
+    q = torch.randn(4, 32, 128, device="cuda")
+    _, unfused = peak_memory(unfused_decode, q, k, v)
+    _, tiled = peak_memory(tiled_decode, q, k, v)
+    doc["peak_memory"] = {"format": "int4", "shape": [4, 8, 32768, 128], "cache_bytes": k.nbytes + v.nbytes,
+                          "unfused_peak_bytes": int(unfused), "tiled_peak_bytes": int(tiled)}
+    t = time.time()
+    bench = subprocess.run([sys.executable, "benchmarks/decode_attention.py", "--quick", "--out", str(args.out)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    doc["benchmark"] = {"exit_status": bench.returncode, "tail": bench.stdout.strip().splitlines()[-1:],
+                        "seconds": round(time.time() - t, 1)}
+    path = args.out / f"gpu_{name.replace(' ', '_')}_{doc['date'][:10]}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", path)
+    return 0 if tests.returncode == 0 and bench.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Every kernel variant compiles for sm_80, sm_89 and sm_90 with the compiler in the triton wheel, no GPU needed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+pytestmark = pytest.mark.slow  # about two minutes: ~60 compilations
+
+
+def test_every_variant_compiles_for_every_arch(tmp_path):
+    out = tmp_path / "aot.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-m", "kvlab.kernels.aot", str(out)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["arch"] for r in rows} == {80, 89, 90} and len(rows) >= 60
+    for row in rows:
+        name = f"{row['variant']} on sm_{row['arch']}"
+        if row["expected_to_fail"]:  # the documented fallback: FP8 E4M3 read as bytes before sm_89
+            assert not row["ok"] and "fp8e4nv not supported" in row["error"], f"{name}: {row}"
+            continue
+        assert row["ok"], f"{name} does not compile: {row['error']}"
+        assert not row["local_memory"], f"{name} spills registers to local memory"
+        assert row["shared_bytes"] <= 99 * 1024, f"{name} needs {row['shared_bytes']} B of shared memory"
+    bytes_on_a100 = [r for r in rows if r["arch"] == 80 and "as bytes" in r["variant"]]
+    assert bytes_on_a100 and all(r["ok"] for r in bytes_on_a100), "the sm_80 FP8 path must compile"

@@ -1,0 +1,15 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvlab.paths import ROOT
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the refusal on a machine without CUDA")
+def test_make_gpu_refuses_clearly_without_cuda():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("kvlab: error: make gpu needs a CUDA GPU") and len(r.stderr.splitlines()) == 1
