@@ -69,6 +69,7 @@ class KVQuantLayer(DynamicLayer):
         self.k_store, self.v_store = KVStore(self.fmt.key), KVStore(self.fmt.value)
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
         self.attends = False  # set once the model's attention has called attend() through the tag
+        self._pending = False  # a decode step's keys were returned for attend() and not yet attended
 
     def lazy_initialization(self, key_states, value_states):
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -81,6 +82,9 @@ class KVQuantLayer(DynamicLayer):
         first = not self.is_initialized
         if first:
             self.lazy_initialization(key_states, value_states)
+        if self._pending:  # the last step's keys were handed out for attend(), and nobody attended
+            raise RuntimeError("the model stopped attending through kvlab (its attention implementation changed "
+                               "mid-generation?): call kvlab.cache.use_kvlab_attention(model), or start a new cache")
         if key_states.shape[-2] != value_states.shape[-2]:
             raise ValueError(f"keys and values must hold the same tokens, got {key_states.shape[-2]} and "
                              f"{value_states.shape[-2]}")
@@ -100,6 +104,7 @@ class KVQuantLayer(DynamicLayer):
             out = key_states, value_states
         elif key_states.shape[-2] == 1 and self.attends:
             setattr(key_states, _TAG, (weakref.ref(self), False))  # attend() reads the stores instead
+            self._pending = True
             return key_states, value_states
         else:
             out = self.dequantized()
@@ -291,7 +296,7 @@ def kvlab_attention(module, query, key, value, attention_mask, scaling=None, dro
     tag = getattr(key, _TAG, None)
     layer = tag[0]() if tag else None
     if layer is not None:
-        layer.attends = True
+        layer.attends, layer._pending = True, False
     plain = (layer is None or tag[1] or query.shape[-2] != 1 or kwargs.get("sliding_window")
              or kwargs.get("softcap") or (dropout and module.training))
     if plain:
@@ -355,4 +360,7 @@ class fused_attention:
     def __exit__(self, *exc):
         self.cache.kernel = self._old_kernel
         self.model.set_attn_implementation(self._old_attn)
+        if self._old_attn != ATTENTION:  # back to plain SDPA: the cache must hand out complete keys again
+            for layer in self.cache.layers:
+                layer.attends = False
         return False

@@ -237,3 +237,32 @@ def test_update_checks_its_inputs():
         cache.update(torch.randn(1, 2, 5, 64), torch.randn(1, 2, 4, 64), 0)
     with pytest.raises(TypeError, match="kernel must be"):
         KVQuantCache("int8", kernel="yes")
+
+
+def test_switching_attention_mid_generation_is_loud_not_wrong(kvlab_llama):
+    ids = torch.randint(3, 300, (1, 30))
+    cache = KVQuantCache("int8")
+    with torch.no_grad():
+        kvlab_llama(ids, past_key_values=cache)
+        kvlab_llama(ids[:, :1], past_key_values=cache)  # a decode step through attend()
+        kvlab_llama.set_attn_implementation("sdpa")
+        kvlab_llama(ids[:, :1], past_key_values=cache)  # keys handed out for attend(), read by SDPA instead
+        with pytest.raises(RuntimeError, match="stopped attending through kvlab"):
+            kvlab_llama(ids[:, :1], past_key_values=cache)
+
+
+def test_after_fused_attention_the_cache_keeps_working_with_sdpa(tiny_llama):
+    pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
+    from kvlab.cache import fused_attention
+
+    ids = torch.randint(3, 300, (1, 40))
+    ref = KVQuantCache("int8")
+    cache = KVQuantCache("int8")
+    with torch.no_grad():
+        want = [tiny_llama(ids, past_key_values=ref).logits[:, -1]]
+        want += [tiny_llama(ids[:, t : t + 1], past_key_values=ref).logits[:, -1] for t in range(3)]
+        with fused_attention(tiny_llama, cache):
+            got = [tiny_llama(ids, past_key_values=cache).logits[:, -1]]
+            got.append(tiny_llama(ids[:, :1], past_key_values=cache).logits[:, -1])
+        got += [tiny_llama(ids[:, t : t + 1], past_key_values=cache).logits[:, -1] for t in (1, 2)]
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=1e-4, rtol=1e-4)
