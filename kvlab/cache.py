@@ -38,6 +38,7 @@ False, the first call returns the incoming states untouched, as
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -49,7 +50,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .formats import KVFormat, get_format
 from .kernels.reference import attend_dense, attend_tiles, merge_partials
 from .quant import hadamard
-from .storage import KVStore, check_kernel_readable
+from .storage import KVStore, check_kernel_readable, kernel_head_dim_ok
 
 ATTENTION = "kvlab"
 _TAG = "_kvlab_layer"  # attribute on the key tensor update() returns: which layer holds the cache
@@ -70,6 +71,7 @@ class KVQuantLayer(DynamicLayer):
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
         self.attends = False  # set once the model's attention has called attend() through the tag
         self._pending = False  # a decode step's keys were returned for attend() and not yet attended
+        self._config = None  # weakref to the config of the model that attends through this layer
 
     def lazy_initialization(self, key_states, value_states):
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -102,7 +104,7 @@ class KVQuantLayer(DynamicLayer):
         self._flush()
         if first and not self.quantize_prefill:
             out = key_states, value_states
-        elif key_states.shape[-2] == 1 and self.attends:
+        elif key_states.shape[-2] == 1 and self._attends_now():
             setattr(key_states, _TAG, (weakref.ref(self), False))  # attend() reads the stores instead
             self._pending = True
             return key_states, value_states
@@ -111,12 +113,17 @@ class KVQuantLayer(DynamicLayer):
         setattr(out[0], _TAG, (weakref.ref(self), True))  # what the model gets is complete
         return out
 
+    def _attends_now(self) -> bool:
+        """True while the model that last attended through this layer still uses the "kvlab" implementation."""
+        config = self._config() if self._config is not None else None
+        return self.attends and config is not None and config._attn_implementation == ATTENTION
+
     def _rotate(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         H = hadamard(x.shape[-1], device=x.device)
         return (x.float() @ (H.T if inverse else H)).to(x.dtype)
 
     def _flush(self) -> None:
-        chunk = self.k_store.chunk
+        chunk = math.lcm(self.k_store.chunk, self.v_store.chunk)  # K and V must flush the same tokens
         over = self.res_k.shape[-2] - self.fmt.residual
         n = over // chunk * chunk
         if n <= 0:
@@ -175,6 +182,8 @@ class KVQuantLayer(DynamicLayer):
     def _use_kernel(self, q: torch.Tensor, bias: torch.Tensor | None) -> bool:
         if self.kernel is False or not (self.k_store.kernel_readable and self.v_store.kernel_readable):
             return False
+        if not kernel_head_dim_ok(q.shape[-1]):
+            return False  # the kernels need a power-of-two head_dim: torch reads the rest
         if bias is not None and not bool((bias == 0).all()):
             return False  # the kernel takes lengths, not masks: padded batches go through torch
         return bool(self.kernel) or q.is_cuda
@@ -190,6 +199,15 @@ class KVQuantLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("KVQuantCache does not support beam search; use greedy or sampling")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("KVQuantCache cannot drop tokens (no assisted or speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("KVQuantCache cannot expand its batch; expand the inputs before the prefill")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("KVQuantCache cannot select batch rows; start a new cache")
 
     @property
     def nbytes(self) -> int:
@@ -297,6 +315,8 @@ def kvlab_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = tag[0]() if tag else None
     if layer is not None:
         layer.attends, layer._pending = True, False
+        config = getattr(module, "config", None)  # without one, the layer keeps handing out complete keys
+        layer._config = weakref.ref(config) if config is not None else None
     plain = (layer is None or tag[1] or query.shape[-2] != 1 or kwargs.get("sliding_window")
              or kwargs.get("softcap") or (dropout and module.training))
     if plain:

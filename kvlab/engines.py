@@ -193,7 +193,7 @@ def llamacpp_vs_kvlab(llama: dict, sweep: dict) -> dict:
         cells = {(r["length"], r["depth"]) for r in res["rows"]} & {(r["length"], r["depth"]) for r in ours}
         if not cells:
             raise ValueError(f"llama.cpp {ct} and kvlab's {preset} share no (length, depth) cell")
-        pick = lambda rows: [r for r in rows if (r["length"], r["depth"]) in cells]
+        pick = lambda rows, cells=cells: [r for r in rows if (r["length"], r["depth"]) in cells]
         out[ct] = {"preset": preset, "seconds": res["seconds"], "lengths": {
             n: {"llama.cpp": counts(pick(res["rows"]), length=n), "kvlab": counts(pick(ours), length=n)}
             for n in sorted({n for n, _ in cells})}}

@@ -210,7 +210,7 @@ def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None) -> dict
 def sweep_prompts(make, tok, length: int, depth: float, trials: int, seed: int = 0) -> list:
     """The ``trials`` prompts a sweep uses at one (length, depth): every format, and every engine compared
     with kvlab (``scripts/compare_engines.py``), sees exactly these. ``make`` is e.g. :func:`kvlab.tasks.passkey`."""
-    rng = random.Random(f"{seed}-{length}-{depth}")
+    rng = random.Random(f"{seed}-{length}-{float(depth)}")  # 0 and 0.0 give the same prompts
     return [make(tok, length, depth, rng) for _ in range(trials)]
 
 

@@ -45,6 +45,11 @@ def kernel_unreadable(q: Quantizer) -> str | None:
     return None
 
 
+def kernel_head_dim_ok(head_dim: int) -> bool:
+    """The kernels' shape rule: head_dim a power of two, at least 16 (``tl.arange`` and ``tl.dot`` need it)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def kernel_readable(q: Quantizer) -> bool:
     """True when :mod:`kvlab.kernels` can attend over (and append to) this quantizer's storage."""
     return kernel_unreadable(q) is None
@@ -175,8 +180,10 @@ class KVStore:
 
     def _append_on_device(self, x: torch.Tensor) -> bool:
         q = self.q
-        if not x.is_cuda or not self.kernel_readable or q.full_range:
+        if not x.is_cuda or not self.kernel_readable or q.full_range or not kernel_head_dim_ok(x.shape[-1]):
             return False
+        if q.scale_bits == 32 and q.granularity != "tensor":
+            return False  # the kernel rounds the scales it computes to fp16
         if q.kind == "fp8" and torch.cuda.get_device_capability(x.device) < (8, 9):
             return False  # no FP8 conversions before sm_89 (kvlab.kernels.aot): quantize on the host
         return bool(torch.isfinite(x).all())
@@ -202,11 +209,15 @@ class KVStore:
     # ------------------------------------------------------------------ read
     def view(self, start: int = 0, end: int | None = None) -> QTensor:
         """Tokens ``[start, end)`` as a :class:`~kvlab.quant.QTensor` (views, no copy)."""
+        if self.codes is None:
+            raise ValueError("the store is empty")
         end = self.tokens if end is None else end
         g = self.chunk
         if not 0 <= start <= end <= self.tokens or start % g or (end % g and end != self.tokens):
             raise ValueError(f"token range [{start}, {end}) is outside the {self.tokens} stored tokens "
                              f"or cuts a group of {g}")
+        if self.codes is None:
+            raise ValueError("the store is empty")
         q = self.q
         B, H = self.codes.shape[:2]
         shape = (B, H, end - start, self.head_dim)
@@ -278,11 +289,11 @@ class KVStore:
 
     @classmethod
     def allocate(cls, q: Quantizer, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 device="cpu") -> KVStore:
+                 device="cpu", *, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> KVStore:
         """An empty store with room for ``capacity`` tokens (for writing with the append kernel).
 
-        A frozen-scale format holds scale 1 (and zero 0) until its first :meth:`append`
-        calibrates it (or you set ``store.scale``).
+        A frozen-scale format (per tensor, head or channel) uses ``scale`` (and ``zero``) when given;
+        otherwise it holds scale 1 (and zero 0) until its first :meth:`append` calibrates it.
         """
         for name, val in (("batch", batch), ("kv_heads", kv_heads), ("capacity", capacity), ("head_dim", head_dim)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
@@ -296,6 +307,13 @@ class KVStore:
             sdt = SCALE_DTYPES[q.scale_bits]
             s.scale = torch.ones(shape, dtype=sdt, device=device)
             s.zero = None if (q.symmetric or q.kind != "int") else torch.zeros(shape, dtype=sdt, device=device)
+            if scale is not None:
+                s.scale = torch.as_tensor(scale, dtype=sdt, device=device).reshape(shape)
+                if zero is not None and s.zero is not None:
+                    s.zero = torch.as_tensor(zero, dtype=sdt, device=device).reshape(shape)
+                s._calibrated = True
+        elif scale is not None or zero is not None:
+            raise ValueError("scale and zero can only be given for per-tensor, per-head or per-channel formats")
         return s
 
     @classmethod

@@ -70,7 +70,11 @@ def _parse_line(line: str, path: Path, lineno: int, block_size: int) -> Request:
             raise ValueError(f"{path}:{lineno}: missing field {key!r}")
         if not isinstance(d[key], typ) or isinstance(d[key], bool):
             raise ValueError(f"{path}:{lineno}: field {key!r} has the wrong type")
-    if not math.isfinite(d["timestamp"]) or d["timestamp"] < 0:
+    try:
+        ts_ok = math.isfinite(float(d["timestamp"])) and d["timestamp"] >= 0
+    except OverflowError:  # an integer too large for a float
+        ts_ok = False
+    if not ts_ok:
         raise ValueError(f"{path}:{lineno}: timestamp must be a finite number of ms >= 0, got {d['timestamp']!r}")
     if d["input_length"] < 1 or d["output_length"] < 1:
         raise ValueError(f"{path}:{lineno}: input_length and output_length must be >= 1")

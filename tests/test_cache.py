@@ -99,8 +99,8 @@ def test_generation_through_the_fused_kernel(tiny_llama, fmt):
     with fused_attention(tiny_llama, cache):
         fused = greedy(tiny_llama, ids, cache, n=6)
         assert tiny_llama.config._attn_implementation == "kvlab" and cache.kernel is True
+        assert cache.layers[0].attends  # decode steps really went through attend()
     assert tiny_llama.config._attn_implementation == "sdpa" and cache.kernel is None
-    assert cache.layers[0].attends  # decode steps really went through attend()
     assert torch.equal(plain, fused)
 
 
@@ -239,18 +239,6 @@ def test_update_checks_its_inputs():
         KVQuantCache("int8", kernel="yes")
 
 
-def test_switching_attention_mid_generation_is_loud_not_wrong(kvlab_llama):
-    ids = torch.randint(3, 300, (1, 30))
-    cache = KVQuantCache("int8")
-    with torch.no_grad():
-        kvlab_llama(ids, past_key_values=cache)
-        kvlab_llama(ids[:, :1], past_key_values=cache)  # a decode step through attend()
-        kvlab_llama.set_attn_implementation("sdpa")
-        kvlab_llama(ids[:, :1], past_key_values=cache)  # keys handed out for attend(), read by SDPA instead
-        with pytest.raises(RuntimeError, match="stopped attending through kvlab"):
-            kvlab_llama(ids[:, :1], past_key_values=cache)
-
-
 def test_after_fused_attention_the_cache_keeps_working_with_sdpa(tiny_llama):
     pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
     from kvlab.cache import fused_attention
@@ -266,3 +254,28 @@ def test_after_fused_attention_the_cache_keeps_working_with_sdpa(tiny_llama):
             got.append(tiny_llama(ids[:, :1], past_key_values=cache).logits[:, -1])
         got += [tiny_llama(ids[:, t : t + 1], past_key_values=cache).logits[:, -1] for t in (1, 2)]
     torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=1e-4, rtol=1e-4)
+
+
+def test_review_findings_stay_fixed(kvlab_llama):
+    """K and V with different token groupings flush together; switching to SDPA by hand is handled at once."""
+    from kvlab.formats import KVFormat, Quantizer
+
+    mixed = KVFormat("mixed", Quantizer("int8", "token"), Quantizer("int4", "group", 32, "token", symmetric=False))
+    cache = KVQuantCache(mixed)
+    cache.update(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64), 0)
+    layer = cache.layers[0]
+    assert layer.k_store.tokens == layer.v_store.tokens == 32 and layer.res_k.shape[-2] == 8
+
+    ids = torch.randint(3, 300, (1, 30))
+    a, b = KVQuantCache("int8"), KVQuantCache("int8")
+    with torch.no_grad():
+        kvlab_llama(ids, past_key_values=a)
+        kvlab_llama(ids[:, :1], past_key_values=a)  # through attend()
+        kvlab_llama.set_attn_implementation("sdpa")
+        got = kvlab_llama(ids[:, 1:2], past_key_values=a).logits  # plain SDPA now: must see the whole cache
+        kvlab_llama(ids, past_key_values=b)
+        kvlab_llama(ids[:, :1], past_key_values=b)
+        want = kvlab_llama(ids[:, 1:2], past_key_values=b).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(NotImplementedError, match="cannot drop tokens"):
+        a.layers[0].crop(3)

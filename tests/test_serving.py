@@ -206,3 +206,10 @@ def test_any_trace_gives_a_clear_error_or_strict_json(tmp_path_factory, rows):
     else:
         e = err.getvalue()
         assert code == 2 and e.startswith("kvlab: error:") and len(e.splitlines()) == 1, e
+
+
+def test_a_timestamp_too_large_for_a_float_is_a_clear_error(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 1' + "0" * 400 + ', "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match=":1: timestamp must be a finite number"):
+        S.load_trace(p)

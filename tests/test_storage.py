@@ -171,3 +171,20 @@ def test_fp8_bits_to_float_is_exact():
         for got, want in ((even[:, 0].float() * factor, ref[:, 0]), (odd[:, 0].float() * factor, ref[:, 1])):
             ok = torch.isfinite(want)  # NaN/Inf codes are never written (the quantizer saturates)
             assert torch.equal(got[ok], want[ok])
+
+
+def test_allocate_with_a_given_frozen_scale_keeps_it():
+    q = Quantizer("int8")  # one scale per tensor
+    s = KVStore.allocate(q, 1, 2, 128, 64, scale=torch.tensor(0.05))
+    s.append(torch.randn(1, 2, 10, 64))
+    assert float(s.scale.reshape(())) == pytest.approx(0.05, rel=1e-3)
+    with pytest.raises(ValueError, match="only be given"):
+        KVStore.allocate(get_format("int8").key, 1, 2, 16, 64, scale=torch.tensor(0.05))
+    with pytest.raises(ValueError, match="empty"):
+        KVStore(q).view()
+
+
+def test_kernel_shape_rule():
+    from kvlab.storage import kernel_head_dim_ok
+
+    assert kernel_head_dim_ok(64) and kernel_head_dim_ok(128) and not kernel_head_dim_ok(96) and not kernel_head_dim_ok(8)
