@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +38,7 @@ from kvlab.env import cpu_model  # noqa: E402
 from kvlab.formats import format_names, get_format  # noqa: E402
 from kvlab.fusion import peak_memory  # noqa: E402
 from kvlab.models import DATA_DIR, load_model  # noqa: E402
+from kvlab.paths import write_json  # noqa: E402
 
 OUT = DATA_DIR / "results" / "decode_cpu.json"
 TILE = attend_tiles.__kwdefaults__["block"]
@@ -63,14 +61,6 @@ def _decode(model, cache, first: torch.Tensor, n: int) -> float:
         times.append(time.perf_counter() - t)
         x = out.logits[:, -1:].argmax(-1)
     return statistics.median(times)
-
-
-def _write(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> dict:
@@ -136,7 +126,7 @@ def main(argv=None) -> dict:
             rows[name] = row
             print(f"{T:>6} {name:>16}: {row['ms_per_token']:8.1f} ms/token  x{row['ratio_to_dynamic']:.2f}", flush=True)
         result["contexts"][str(T)] = rows
-        _write(args.out, result)
+        write_json(args.out, result)
         del caches, dyn
     return result
 

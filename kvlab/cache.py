@@ -217,6 +217,16 @@ class KVQuantLayer(DynamicLayer):
         return full + self.k_store.nbytes + self.v_store.nbytes
 
 
+def _kernel_mode(fmt: KVFormat, kernel):
+    """``kernel`` checked: None, True or False, and True only for a format the kernel reads."""
+    if kernel not in (None, True, False):
+        raise TypeError(f"kernel must be None, True or False, got {kernel!r}")
+    if kernel:
+        check_kernel_readable(fmt.key, "format's keys")
+        check_kernel_readable(fmt.value, "format's values")
+    return kernel
+
+
 class _LayerFactory:
     """Makes a cache's layers on demand. Holds the cache weakly: a closure over the cache would be a
     reference cycle, freed only by the garbage collector, so sweeps would pile up dead caches."""
@@ -248,12 +258,7 @@ class KVQuantCache(Cache):
         self.fmt = get_format(fmt)
         if not isinstance(quantize_prefill, bool):
             raise TypeError(f"quantize_prefill must be a bool, got {quantize_prefill!r}")
-        if kernel not in (None, True, False):
-            raise TypeError(f"kernel must be None, True or False, got {kernel!r}")
-        if kernel:
-            check_kernel_readable(self.fmt.key, "format's keys")
-            check_kernel_readable(self.fmt.value, "format's values")
-        self._kernel = kernel
+        self._kernel = kernel = _kernel_mode(self.fmt, kernel)
         self.quantize_prefill = quantize_prefill
         if num_layers is None:
             super().__init__(layer_class_to_replicate=_LayerFactory(self))
@@ -290,12 +295,7 @@ class KVQuantCache(Cache):
 
     @kernel.setter
     def kernel(self, on: bool | None) -> None:
-        if on not in (None, True, False):
-            raise TypeError(f"kernel must be None, True or False, got {on!r}")
-        if on:
-            check_kernel_readable(self.fmt.key, "format's keys")
-            check_kernel_readable(self.fmt.value, "format's values")
-        self._kernel = on
+        self._kernel = on = _kernel_mode(self.fmt, on)
         for layer in self.layers:
             layer.kernel = on
 
@@ -364,8 +364,7 @@ class fused_attention:
 
         if not isinstance(cache, KVQuantCache):
             raise TypeError(f"cache must be a KVQuantCache, got {type(cache).__name__}")
-        check_kernel_readable(cache.fmt.key, "format's keys")
-        check_kernel_readable(cache.fmt.value, "format's values")
+        _kernel_mode(cache.fmt, True)
         if not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         self.model, self.cache = model, cache

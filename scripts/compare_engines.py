@@ -23,7 +23,6 @@ import importlib.metadata as md
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,15 +34,7 @@ import torch  # noqa: E402
 from kvlab import engines  # noqa: E402
 from kvlab.env import cpu_model  # noqa: E402
 from kvlab.models import load_model  # noqa: E402
-from kvlab.paths import RESULTS_DIR  # noqa: E402
-
-
-def write(path: Path, doc: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+from kvlab.paths import RESULTS_DIR, write_json  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -83,7 +74,7 @@ def main(argv=None) -> dict:
            "versions": {p_: md.version(p_) for p_ in ("transformers", "optimum-quanto", "torch")},
            "machine": cpu_model(), "threads": torch.get_num_threads(), "seconds": round(time.time() - t),
            "date": dt.date.today().isoformat()}
-    write(args.out, doc)
+    write_json(args.out, doc)
     print(json.dumps({k: {"identical": f"{v['identical']}/{v['prompts']}", "mean_kl": round(v["mean_kl"], 4)}
                       for k, v in res.items()}))
     return doc
@@ -108,7 +99,7 @@ def llama(args) -> dict:
            "build": os.environ.get("CMAKE_ARGS", ""), "machine": cpu_model(), "threads": os.cpu_count(),
            "seconds": round(time.time() - t), "date": dt.date.today().isoformat()}
     if args.out is not None:
-        write(args.out, doc)
+        write_json(args.out, doc)
     print(json.dumps({ct: sum(r["correct"] for r in v["rows"]) for ct, v in res.items()}))
     return doc
 
