@@ -167,8 +167,8 @@ def test_fp8_bits_to_float_is_exact():
     for dt, factor in ((torch.float8_e4m3fn, 256.0), (torch.float8_e5m2, 1.0)):
         codes = every.to(torch.uint8).view(dt)  # every pair of codes, as adjacent channels
         ref = codes.float()
-        even, odd = _fp8_planes(codes)
-        for got, want in ((even[:, 0].float() * factor, ref[:, 0]), (odd[:, 0].float() * factor, ref[:, 1])):
+        even, odd = _fp8_planes(codes).float().unbind(-1)  # one pair: plane order is (even, odd)
+        for got, want in ((even * factor, ref[:, 0]), (odd * factor, ref[:, 1])):
             ok = torch.isfinite(want)  # NaN/Inf codes are never written (the quantizer saturates)
             assert torch.equal(got[ok], want[ok])
 
