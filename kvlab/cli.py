@@ -5,6 +5,8 @@
     kvlab formats            # the KV formats kvlab knows, with their bits per element
     kvlab formats --engines  # the flag or API that selects each preset in each serving engine
     kvlab niah --kv-format int4 --lengths 512,2048 --depths 0,0.5,1 --trials 5 --json
+    kvlab niah --endpoint http://gpu-a:8000 --compare http://gpu-b:8000 --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct
+    kvlab serve --kv-format int4 --port 8001   # an OpenAI-compatible server for the workbook's model
     kvlab serve-sim --workload rag --model llama-3.1-8b --gpu L4 --kv-dtype fp8 --json
 
 Bad input exits with status 2 and one line that names the argument.
@@ -158,16 +160,29 @@ def _depth_list(text):
     return vals
 
 
+def _check_out(path) -> str | None:
+    """Why ``--out`` cannot be written (checked before a long run, not after it), or None."""
+    out = Path(path)
+    if out.is_dir() or not out.parent.is_dir():
+        return f"--out {path}: " + ("is a directory" if out.is_dir() else f"folder {str(out.parent)!r} does not exist")
+    return None
+
+
 def cmd_niah(args) -> int:
     from . import evals
     from .models import load_model
 
-    if args.out:  # check the destination before a long run, not after it
-        out = Path(args.out)
-        if out.is_dir() or not out.parent.is_dir():
-            print(f"kvlab: error: --out {args.out}: " + ("is a directory" if out.is_dir() else
-                  f"folder {str(out.parent)!r} does not exist"), file=sys.stderr)
-            return 2
+    if args.out and (why := _check_out(args.out)):
+        print(f"kvlab: error: {why}", file=sys.stderr)
+        return 2
+    if args.endpoint:
+        return cmd_niah_endpoint(args)
+    if args.compare:
+        print("kvlab: error: --compare needs --endpoint (the teacher)", file=sys.stderr)
+        return 2
+    if args.kv_format is None:
+        print("kvlab: error: --kv-format is required (or --endpoint URL to test a running server)", file=sys.stderr)
+        return 2
     try:
         model, tok = load_model(args.model)
         if args.task == "passkey":
@@ -192,6 +207,84 @@ def cmd_niah(args) -> int:
         print(f"{res.task} with {res.kv_format}: exact match {res.accuracy():.1%} over {len(res.rows)} cells")
         for n in res.lengths:
             print(f"  {n:>6} tokens: " + "  ".join(f"d={d:.2f} {res.accuracy(n, d):4.0%}" for d in res.depths))
+    return 0
+
+
+def cmd_niah_endpoint(args) -> int:
+    """``kvlab niah --endpoint URL [--compare URL2]``: the ladder against running servers."""
+    from transformers import AutoTokenizer
+
+    from . import endpoint as E
+    from .models import resolve
+    from .paths import write_json
+
+    if args.kv_format is not None:
+        print("kvlab: error: --kv-format selects kvlab's own cache; with --endpoint the server's flag decides",
+              file=sys.stderr)
+        return 2
+    if args.prefill != "full":
+        print("kvlab: error: --prefill is the server's business with --endpoint", file=sys.stderr)
+        return 2
+    out = Path(args.out or "kvlab-endpoints.json")
+    journal = out.with_suffix(".requests.jsonl")
+    try:
+        eps = [E.Endpoint(u, model=args.endpoint_model, timeout=args.timeout, retries=args.retries,
+                           backoff=args.backoff)
+               for u in [args.endpoint, *([args.compare] if args.compare else [])]]
+        if len({e.url for e in eps}) < len(eps):
+            raise ValueError("--endpoint and --compare are the same server")
+        name = args.tokenizer or args.model
+        try:
+            tok = AutoTokenizer.from_pretrained(resolve(name))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--tokenizer {name}: could not load it ({str(e).splitlines()[0]})") from None
+        prompts = E.ladder_prompts(tok, args.task, args.lengths, args.depths or [1.0], args.trials, seed=args.seed,
+                                   hops=args.hops, haystack=args.haystack)
+        records = E.run_ladder(eps, prompts, journal, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
+                               concurrency=args.concurrency, progress=not args.json)
+        doc = E.side_by_side(records, eps[0].url, eps[1].url if len(eps) > 1 else None)
+        if args.ppl_windows:
+            doc["perplexity"] = {e.url: E.perplexity(e, tok, max_windows=args.ppl_windows) for e in eps}
+    except (ValueError, E.EndpointError) as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
+    doc["settings"] = {k: getattr(args, k) for k in ("task", "lengths", "depths", "trials", "seed", "hops",
+                                                     "haystack", "max_tokens", "top_logprobs", "concurrency")}
+    doc["journal"] = str(journal)
+    write_json(out, doc)
+    failed = sum(len(v) for v in doc["errors"].values())
+    if args.json:
+        print(json.dumps(doc, indent=1, allow_nan=False))
+    else:
+        print(E.markdown(doc))
+        for d in doc.get("disagreements", []):
+            print(f"  differ at {d['length']} tokens, depth {d['depth']:g}, trial {d['trial']}: teacher "
+                  f"{'right' if d['teacher_correct'] else 'wrong'} ({d['teacher_text'][:24]!r}), student "
+                  f"{'right' if d['student_correct'] else 'wrong'} ({d['student_text'][:24]!r})")
+        if failed:
+            print(f"{failed} requests failed after their retries (see {journal}); run again to retry them")
+        print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+def cmd_serve(args) -> int:
+    from .models import load_model
+    from .server import CompletionServer
+
+    try:
+        model, tok = load_model(args.model)
+        srv = CompletionServer(model, tok, args.kv_format, name=args.name, host=args.host, port=args.port,
+                               prefill_mode=args.prefill)
+    except (ValueError, OSError) as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
+    print(f"kvlab: serving {srv.name} with a {srv.fmt.name} KV cache at {srv.url}/v1", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.httpd.server_close()
     return 0
 
 
@@ -252,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_budget)
 
     n = sub.add_parser("niah", help="needle-in-a-haystack (or multi-hop) exact match through a KV format")
-    n.add_argument("--kv-format", required=True, type=_kv_format, help="KV format (see `kvlab formats`)")
+    n.add_argument("--kv-format", type=_kv_format, help="KV format (see `kvlab formats`); required without --endpoint")
     n.add_argument("--model", default=None, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
     n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=[0.0, 0.5, 1.0], help="e.g. 0,0.5,1")
@@ -265,9 +358,34 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: the prompt attends in full precision and only the stored cache is quantized "
                         "(as vLLM does); cached: the prompt's own attention reads the quantized cache")
-    n.add_argument("--out", help="save the result as JSON to this file")
+    n.add_argument("--out", help="save the result as JSON to this file (with --endpoint: default "
+                                 "kvlab-endpoints.json, and a .requests.jsonl journal beside it that resumes a run)")
     n.add_argument("--json", action="store_true", help="print one JSON object")
+    e = n.add_argument_group("against running OpenAI-compatible servers (vLLM, SGLang, llama-server, kvlab serve)")
+    e.add_argument("--endpoint", help="the server to test (the teacher with --compare), e.g. http://host:8000")
+    e.add_argument("--compare", help="a second server, e.g. the same model with --kv-cache-dtype fp8")
+    e.add_argument("--tokenizer", help="a local tokenizer of the served model (default: --model's)")
+    e.add_argument("--endpoint-model", help="the served model's id (default: the server's only model)")
+    e.add_argument("--concurrency", type=_int("--concurrency", 1), default=4, help="requests in flight per run")
+    e.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds to wait for one answer")
+    e.add_argument("--retries", type=_int("--retries", 0), default=3, help="retries on 429, 5xx and timeouts")
+    e.add_argument("--backoff", type=_positive_float, default=0.5, help="seconds before the first retry (doubles)")
+    e.add_argument("--max-tokens", type=_int("--max-tokens", 1), default=12, help="tokens generated per prompt")
+    e.add_argument("--top-logprobs", type=_int("--top-logprobs", 0), default=5,
+                   help="top-k logprobs asked per step for teacher agreement (0: none)")
+    e.add_argument("--ppl-windows", type=_int("--ppl-windows", 0), default=0,
+                   help="also the perplexity rung over this many 512-token windows (needs echo logprobs)")
     n.set_defaults(func=cmd_niah)
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible completions server for a model through a kvlab KV format")
+    v.add_argument("--kv-format", required=True, type=_kv_format, help="KV format (see `kvlab formats`)")
+    v.add_argument("--model", default=None, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
+    v.add_argument("--name", help="the model id it answers to (default: the model's path)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=_int("--port", 0), default=8000)
+    v.add_argument("--prefill", choices=["full", "cached"], default="full",
+                   help="full: a fresh prompt attends in full precision (as vLLM does); cached: it reads the quantized cache")
+    v.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("serve-sim", help="replay a workload or trace through one replica's prefix-cached KV pool")
     src = s.add_mutually_exclusive_group(required=True)

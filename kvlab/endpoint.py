@@ -1,0 +1,477 @@
+"""The eval ladder against live OpenAI-compatible servers: is my FP8 / INT4 deployment still retrieving?
+
+A real server does the serving (vLLM, SGLang, llama.cpp's ``llama-server``, or ``kvlab serve``);
+kvlab does the measuring, with the same prompts as chapter 4's sweep:
+
+* :class:`Endpoint` is a small client for ``/v1/completions``: a timeout per request, retries
+  with exponential backoff on 429 and 5xx (and on dropped connections), clear errors for bad
+  URLs, unreachable servers, malformed answers and servers without logprobs.
+* :func:`run_ladder` sends every (length, depth, trial) prompt to one or more endpoints through
+  a bounded thread pool, appending each answer to a JSONL journal as it arrives, so an
+  interrupted run resumes where it stopped.
+* :func:`side_by_side` puts a teacher (say ``--kv-cache-dtype auto``) and a student (``fp8``)
+  side by side: exact match per cell for both, the prompts where they disagree, and agreement
+  of the next-token distributions from the top-k logprobs the servers return.
+* :func:`perplexity` is the third rung, from the prompt logprobs a server returns with ``echo``.
+
+Prompts are built from token ids with a local ``transformers`` tokenizer of the served model and
+sent as text; each answer's ``usage.prompt_tokens`` says how many tokens the server counted, and
+the summary reports the largest difference from the intended length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from .evals import EvalResult, sweep_prompts
+
+TOPK_CAVEAT = ("Servers return only the top-k log-probabilities of each step, so the KL is taken over the "
+               "teacher's top-k tokens, renormalised; a token missing from the student's top-k gets the "
+               "student's smallest returned probability. Mass outside the top-k is ignored, so this "
+               "estimates, and usually understates, the full KL. Steps are compared only up to the first "
+               "greedy token where the two differ: after it the contexts differ.")
+
+
+class EndpointError(RuntimeError):
+    """A server could not be used: the message says which one and why."""
+
+
+def base_url(url: str) -> str:
+    """``http(s)://host[:port][/prefix]`` without a trailing ``/v1``; raises ``ValueError`` if it is not a URL."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"endpoint URL must be a non-empty string, got {url!r}")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"endpoint URL {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"endpoint URL {url!r} has no host")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ValueError(f"endpoint URL {url!r} has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise ValueError(f"endpoint URL {url!r} must not carry a query or fragment")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+@dataclass
+class Endpoint:
+    """One OpenAI-compatible server. ``model`` is the served model's id (asked from ``/v1/models`` if None)."""
+
+    url: str
+    model: str | None = None
+    timeout: float = 120.0
+    retries: int = 3
+    backoff: float = 0.5
+    api_key: str | None = None
+
+    def __post_init__(self):
+        self.url = base_url(self.url)
+        for name, positive in (("timeout", True), ("backoff", False)):
+            v = getattr(self, name)
+            ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+            if not ok or v < 0 or (positive and v == 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"retries must be an integer >= 0, got {self.retries!r}")
+        self._client = None
+
+    @property
+    def client(self):
+        import httpx
+
+        if self._client is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.Client(timeout=self.timeout, headers=headers, follow_redirects=False)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One JSON request with retries on 429, 5xx, timeouts and dropped connections."""
+        import httpx
+
+        url, last = self.url + path, ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), 30.0))
+            try:
+                r = self.client.request(method, url, json=body)
+            except httpx.TimeoutException:
+                last = f"no answer within {self.timeout:g} s"
+                continue
+            except httpx.ConnectError as e:
+                last = f"cannot connect ({e}); is the server running at {self.url}?"
+                continue
+            except httpx.HTTPError as e:  # the connection dropped mid-answer
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code == 429 or r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {_server_message(r)}"
+                retry_after = r.headers.get("Retry-After", "")
+                if retry_after.isdigit() and attempt < self.retries:
+                    time.sleep(min(float(retry_after), 30.0))
+                continue
+            if r.status_code >= 400:
+                raise EndpointError(f"{url} answered HTTP {r.status_code}: {_server_message(r)}")
+            try:
+                doc = r.json()
+            except ValueError:
+                raise EndpointError(f"{url} answered with something that is not JSON: {r.text[:200]!r}") from None
+            if not isinstance(doc, dict):
+                raise EndpointError(f"{url} answered with JSON that is not an object: {str(doc)[:200]}")
+            return doc
+        raise EndpointError(f"{url}: gave up after {self.retries + 1} tries; last: {last}")
+
+    def models(self) -> list[str]:
+        """The model ids the server lists (``GET /v1/models``)."""
+        doc = self._request("GET", "/v1/models")
+        data = doc.get("data")
+        if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise EndpointError(f"{self.url}/v1/models: expected {{'data': [{{'id': ...}}]}}, got {str(doc)[:200]}")
+        return [m["id"] for m in data]
+
+    def resolve_model(self) -> str:
+        """``model``, or the server's only model; checks that the server lists it."""
+        ids = self.models()
+        if self.model is None:
+            if len(ids) != 1:
+                raise EndpointError(f"{self.url} serves {len(ids)} models ({', '.join(ids) or 'none'}); name one")
+            self.model = ids[0]
+        elif self.model not in ids:
+            raise EndpointError(f"{self.url} does not serve {self.model!r}; it lists {', '.join(ids)}")
+        return self.model
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, logprobs: int | None = None,
+                 echo: bool = False) -> dict:
+        """Greedy completion: ``{"text", "tokens", "token_logprobs", "top_logprobs", "prompt_tokens"}``.
+
+        With ``logprobs=k`` the server must return its top-k per step; a server that does not
+        (vLLM caps it with ``--max-logprobs``; llama-cpp-python needs ``logits_all``) gets an
+        :class:`EndpointError` saying so.
+        """
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        if echo:
+            body["echo"] = True
+        doc = self._request("POST", "/v1/completions", body)
+        try:
+            choice = doc["choices"][0]
+            text = choice["text"]
+            if not isinstance(text, str):
+                raise TypeError
+        except (KeyError, IndexError, TypeError):
+            raise EndpointError(f"{self.url}/v1/completions: malformed answer (no choices[0].text): "
+                                f"{json.dumps(doc)[:200]}") from None
+        out = {"text": text, "prompt_tokens": (doc.get("usage") or {}).get("prompt_tokens")}
+        if logprobs is not None:
+            lp = choice.get("logprobs")
+            if not isinstance(lp, dict) or not isinstance(lp.get("top_logprobs"), list) or not lp["top_logprobs"]:
+                raise EndpointError(f"{self.url} returned no logprobs (asked for logprobs={logprobs}); start the "
+                                    "server so that it returns them, or run with --top-logprobs 0")
+            out |= {"tokens": lp.get("tokens") or [], "token_logprobs": lp.get("token_logprobs") or [],
+                    "top_logprobs": lp["top_logprobs"]}
+        return out
+
+
+def _server_message(r) -> str:
+    try:
+        doc = r.json()
+        err = doc.get("error", doc) if isinstance(doc, dict) else doc
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return str(msg)[:300]
+    except ValueError:
+        return (r.text or r.reason_phrase or "")[:300]
+
+
+# --------------------------------------------------------------------------- the ladder
+
+@dataclass
+class Prompt:
+    """One rung's prompt: ``key`` names its cell, ``answer`` is what exact match compares with."""
+
+    task: str
+    length: int
+    depth: float
+    trial: int
+    text: str
+    answer: str
+    digest: str = field(default="")
+
+    def __post_init__(self):
+        self.digest = hashlib.sha1(self.text.encode()).hexdigest()[:16]
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}/{self.length}/{self.depth:g}/{self.trial}/{self.digest}"
+
+
+def ladder_prompts(tok, task: str = "passkey", lengths=(512, 2048), depths=(0.0, 0.5, 1.0), trials: int = 3,
+                   seed: int = 0, hops: int = 2, haystack: str = "filler") -> list[Prompt]:
+    """The prompts of chapter 4's sweep (same seeds), as text for a server."""
+    from . import tasks
+    from .evals import _check_args
+
+    _check_args(lengths, depths, trials)
+    if task == "passkey":
+        hay = tasks.prose_tokens(tok) if haystack == "prose" else None
+        def make(tok, n, d, rng):
+            return tasks.passkey(tok, n, d, rng, haystack=hay)
+    elif task == "chain":
+        def make(tok, n, d, rng):
+            return tasks.variable_chain(tok, n, d or 1.0, rng, hops=hops)
+    else:
+        raise ValueError(f"task must be 'passkey' or 'chain', got {task!r}")
+    out = []
+    for n in lengths:
+        for d in depths:
+            for i, ex in enumerate(sweep_prompts(make, tok, n, d, trials, seed)):
+                out.append(Prompt(task, n, float(d), i, tok.decode(ex.input_ids), ex.answer.strip()))
+    return out
+
+
+def exact_match(text: str, answer: str) -> bool:
+    """The completion starts with ``answer`` (after spaces) and does not run on into more digits or letters."""
+    t = text.lstrip()
+    return t.startswith(answer) and not (len(t) > len(answer) and t[len(answer)].isalnum())
+
+
+def _journal(path: Path) -> dict[tuple[str, str], dict]:
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by an interrupted write
+            if isinstance(r, dict) and not r.get("error") and "endpoint" in r and "key" in r:
+                done[r["endpoint"], r["key"]] = r
+    return done
+
+
+def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | Path, *, max_tokens: int = 12,
+               top_logprobs: int = 5, concurrency: int = 4, progress: bool = True) -> list[dict]:
+    """Every prompt through every endpoint; each answer is appended to ``journal`` (JSONL) as it arrives.
+
+    Answers already in the journal (same endpoint, same prompt text) are reused, so a run
+    that was interrupted resumes. A request that still fails after its retries is recorded
+    with its ``error`` and retried on the next run. Returns one record per (endpoint, prompt).
+    """
+    from tqdm.auto import tqdm
+
+    if not endpoints:
+        raise ValueError("give at least one endpoint")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
+        raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
+    journal = Path(journal)
+    if journal.is_dir() or not journal.parent.is_dir():
+        raise ValueError(f"journal {str(journal)!r}: " + ("is a directory" if journal.is_dir()
+                         else f"folder {str(journal.parent)!r} does not exist"))
+    for ep in endpoints:  # a bad URL or a dead server fails here, before any prompt is sent
+        ep.resolve_model()
+    done = _journal(journal)
+    todo = [(ep, p) for ep in endpoints for p in prompts if (ep.url, p.key) not in done]
+    lock = threading.Lock()
+    k = top_logprobs or None
+
+    def one(ep: Endpoint, p: Prompt) -> dict:
+        rec = {"endpoint": ep.url, "model": ep.model, "key": p.key, **{f: getattr(p, f) for f in
+               ("task", "length", "depth", "trial", "answer")}}
+        t0 = time.perf_counter()
+        try:
+            out = ep.complete(p.text, max_tokens=max_tokens, logprobs=k)
+            rec |= out | {"correct": exact_match(out["text"], p.answer), "error": None}
+        except EndpointError as e:
+            rec |= {"error": str(e)}
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        return rec
+
+    with journal.open("a") as fh, ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(one, ep, p) for ep, p in todo]
+        for fut in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc="requests"):
+            rec = fut.result()
+            with lock:
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+            if not rec["error"]:
+                done[rec["endpoint"], rec["key"]] = rec
+            else:
+                done.setdefault((rec["endpoint"], rec["key"]), rec)
+    return [done[ep.url, p.key] for ep in endpoints for p in prompts if (ep.url, p.key) in done]
+
+
+# --------------------------------------------------------------------------- side by side
+
+def _topk_kl(teacher: dict[str, float], student: dict[str, float]) -> float:
+    """KL(teacher || student) over the teacher's top-k, both renormalised there (see TOPK_CAVEAT)."""
+    floor = min(student.values())
+    keys = list(teacher)
+    t = [teacher[x] for x in keys]
+    s = [student.get(x, floor) for x in keys]
+    lt, ls = _logsumexp(t), _logsumexp(s)
+    return max(0.0, sum(math.exp(a - lt) * ((a - lt) - (b - ls)) for a, b in zip(t, s)))
+
+
+def _logsumexp(xs: list[float]) -> float:
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+def agreement(teacher: dict, student: dict) -> dict | None:
+    """Top-k KL, top-1 agreement and the first greedy divergence for one prompt (None without logprobs)."""
+    tt, st = teacher.get("top_logprobs"), student.get("top_logprobs")
+    if not tt or not st:
+        return None
+    ta, sa = teacher.get("tokens") or [], student.get("tokens") or []
+    n = min(len(ta), len(sa))
+    first = next((i for i in range(n) if ta[i] != sa[i]), None)
+    upto = (first if first is not None else n - 1) + 1  # same context up to and including the divergence
+    kls, top1 = [], []
+    for i in range(min(upto, len(tt), len(st))):
+        if not tt[i] or not st[i]:
+            continue
+        kls.append(_topk_kl(tt[i], st[i]))
+        top1.append(max(tt[i], key=tt[i].get) == max(st[i], key=st[i].get))
+    if not kls:
+        return None
+    return {"kl": sum(kls) / len(kls), "top1": sum(top1) / len(top1), "first_divergence": first,
+            "identical": first is None and len(ta) == len(sa)}
+
+
+def _result(records: list[dict], label: str, task: str) -> EvalResult:
+    cells: dict[tuple[int, float], list[int]] = {}
+    for r in records:
+        if not r.get("error"):
+            c = cells.setdefault((r["length"], r["depth"]), [0, 0])
+            c[0] += bool(r["correct"])
+            c[1] += 1
+    rows = [{"length": n, "depth": d, "trials": t, "correct": c} for (n, d), (c, t) in sorted(cells.items())]
+    return EvalResult(task, records[0].get("model") or "?" if records else "?", label, rows)
+
+
+def side_by_side(records: list[dict], teacher_url: str, student_url: str | None = None) -> dict:
+    """Exact match per cell for each endpoint, the prompts where they disagree, and teacher agreement.
+
+    Returns a JSON-ready dict: ``results`` (``EvalResult`` fields per endpoint URL),
+    ``errors`` (requests that failed after their retries), ``length_check`` (largest
+    difference between a prompt's intended length and the server's ``prompt_tokens``), and
+    with a student: ``disagreements`` and ``agreement`` (with its caveat).
+    """
+    teacher_url = base_url(teacher_url)
+    urls = [teacher_url] + ([base_url(student_url)] if student_url else [])
+    by = {u: {r["key"]: r for r in records if r["endpoint"] == u} for u in urls}
+    task = next((r["task"] for r in records), "passkey")
+    doc = {"task": task, "teacher": teacher_url, "student": urls[1] if student_url else None,
+           "results": {u: asdict(_result(list(by[u].values()), u, task)) for u in urls},
+           "errors": {u: [{"key": k, "error": r["error"]} for k, r in by[u].items() if r.get("error")] for u in urls},
+           "length_check": {u: max((abs(r["prompt_tokens"] - r["length"]) for r in by[u].values()
+                                    if isinstance(r.get("prompt_tokens"), int)), default=None) for u in urls}}
+    if student_url:
+        t, s = by[teacher_url], by[urls[1]]
+        both = [k for k in t if k in s and not t[k].get("error") and not s[k].get("error")]
+        doc["disagreements"] = [
+            {f: t[k][f] for f in ("length", "depth", "trial", "answer")}
+            | {"teacher_correct": t[k]["correct"], "student_correct": s[k]["correct"],
+               "teacher_text": t[k]["text"], "student_text": s[k]["text"]}
+            for k in both if t[k]["correct"] != s[k]["correct"]]
+        ag = [a for k in both if (a := agreement(t[k], s[k])) is not None]
+        doc["agreement"] = None if not ag else {
+            "prompts": len(ag), "mean_topk_kl": sum(a["kl"] for a in ag) / len(ag),
+            "top1_agreement": sum(a["top1"] for a in ag) / len(ag),
+            "identical_greedy": sum(a["identical"] for a in ag),
+            "median_first_divergence": _median([a["first_divergence"] for a in ag if a["first_divergence"] is not None]),
+            "caveat": TOPK_CAVEAT}
+    return doc
+
+
+def _median(xs: list[int]) -> float | None:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return float(xs[m]) if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def results(doc: dict) -> dict[str, EvalResult]:
+    """The side-by-side JSON's per-endpoint results as :class:`EvalResult` (``.figure()`` draws the heatmap)."""
+    return {u: EvalResult(**r) for u, r in doc["results"].items()}
+
+
+def markdown(doc: dict) -> str:
+    """The side-by-side as a Markdown table: exact match per length for each endpoint, and the agreement."""
+    res = results(doc)
+    urls = list(res)
+    lengths = sorted({n for r in res.values() for n in r.lengths})
+    head = "| endpoint | " + " | ".join(f"{n} tokens" for n in lengths) + " |\n|---|" + "---|" * len(lengths)
+    rows = [f"| {u} | " + " | ".join(_cell(res[u], n) for n in lengths) + " |" for u in urls]
+    out = head + "\n" + "\n".join(rows)
+    if doc.get("student"):
+        a = doc.get("agreement")
+        out += f"\n\n{len(doc['disagreements'])} prompts answered differently."
+        if a:
+            out += (f" Over {a['prompts']} prompts: top-k KL {a['mean_topk_kl']:.4f} nats, top-1 agreement "
+                    f"{a['top1_agreement']:.0%}, identical greedy text {a['identical_greedy']}.")
+    return out
+
+
+def _cell(r: EvalResult, n: int) -> str:
+    try:
+        rows = [x for x in r.rows if x["length"] == n]
+        c, t = sum(x["correct"] for x in rows), sum(x["trials"] for x in rows)
+        return f"{c}/{t}" if t else "—"
+    except KeyError:
+        return "—"
+
+
+def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, max_windows: int = 4) -> float:
+    """Perplexity of held-out text from the prompt logprobs the server returns with ``echo`` (``max_tokens=1``).
+
+    What it measures depends on the server's prefill: vLLM and ``kvlab serve`` (default) let a
+    fresh prompt attend in full precision, so this rung moves with the KV format only where the
+    prompt itself reads the quantized cache (``kvlab serve --prefill cached``, chunked prefill).
+    """
+    from .paths import CORPUS_DIR
+
+    if text is None:
+        import gzip
+
+        text = gzip.open(CORPUS_DIR / "heldout.txt.gz", "rt").read()
+    ids = tok.encode(text, add_special_tokens=False)
+    if len(ids) < window + 1:
+        raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")
+    ep.resolve_model()
+    nll, count = 0.0, 0
+    for s in range(0, len(ids) - window, window)[:max_windows]:
+        out = ep.complete(tok.decode(ids[s : s + window]), max_tokens=1, logprobs=1, echo=True)
+        lps = [x for x in out["token_logprobs"][: out["prompt_tokens"] or window] if x is not None]
+        if not lps:
+            raise EndpointError(f"{ep.url} returned no prompt logprobs with echo=true; this rung needs them")
+        nll -= sum(lps)
+        count += len(lps)
+    return math.exp(nll / count)
+
+
+def load(path: str | Path) -> dict:
+    """A side-by-side JSON written by ``kvlab niah --endpoint ... --out``."""
+    doc = json.loads(Path(path).read_text())
+    if not isinstance(doc, dict) or not {"task", "teacher", "results"} <= set(doc):
+        raise ValueError(f"{path} is not a kvlab endpoint side-by-side (needs task, teacher, results)")
+    return doc
+

@@ -1,0 +1,321 @@
+"""The endpoint ladder against real HTTP servers on loopback: kvlab's own model server, and stubs that fail."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlab import endpoint as E
+from kvlab.cli import main
+
+# --------------------------------------------------------------------------- stub servers
+
+
+def _completion(text="12345."):
+    return {"choices": [{"text": text, "logprobs": {
+        "tokens": list(text), "token_logprobs": [-0.1] * len(text),
+        "top_logprobs": [{c: -0.1, "x": -2.5} for c in text]}}], "usage": {"prompt_tokens": 3}}
+
+
+class Stub:
+    """A loopback HTTP server whose POST answers come from ``behave(count) -> (status, body | None)``.
+
+    ``body=None`` stalls (never answers) until the server closes.
+    """
+
+    def __init__(self, behave, models=("stub",)):
+        self.count, self.stop = 0, threading.Event()
+        stub = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, status, body):
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(200, {"data": [{"id": m} for m in models]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                stub.count += 1
+                status, body = behave(stub.count)
+                if body is None:
+                    stub.stop.wait(30)
+                    return
+                self._answer(status, body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stub():
+    made = []
+
+    def make(behave, **kw):
+        s = Stub(behave, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- the client
+
+
+def test_retries_500s_then_succeeds(stub):
+    s = stub(lambda n: (500, {"error": {"message": "busy"}}) if n <= 2 else (200, _completion()))
+    ep = E.Endpoint(s.url, model="stub", retries=3, backoff=0.01)
+    assert ep.complete("hi", logprobs=2)["text"] == "12345."
+    assert s.count == 3
+
+
+def test_429_and_5xx_give_up_with_the_last_error(stub):
+    s = stub(lambda n: (429, {"error": {"message": "rate limited"}}))
+    t0 = time.perf_counter()
+    with pytest.raises(E.EndpointError, match=r"gave up after 3 tries.*HTTP 429: rate limited"):
+        E.Endpoint(s.url, model="stub", retries=2, backoff=0.01).complete("hi")
+    assert s.count == 3 and time.perf_counter() - t0 < 5
+
+
+def test_a_stalled_server_times_out_never_hangs(stub):
+    s = stub(lambda n: (200, None))
+    t0 = time.perf_counter()
+    with pytest.raises(E.EndpointError, match=r"no answer within 0.3 s"):
+        E.Endpoint(s.url, model="stub", timeout=0.3, retries=1, backoff=0.01).complete("hi")
+    assert time.perf_counter() - t0 < 5 and s.count == 2
+
+
+def test_clear_errors_for_bad_answers(stub):
+    bad = stub(lambda n: (200, b"<html>not json</html>"))
+    with pytest.raises(E.EndpointError, match="not JSON"):
+        E.Endpoint(bad.url, model="stub").complete("hi")
+    shape = stub(lambda n: (200, {"id": "x"}))
+    with pytest.raises(E.EndpointError, match="malformed answer"):
+        E.Endpoint(shape.url, model="stub").complete("hi")
+    nolp = stub(lambda n: (200, {"choices": [{"text": "1", "logprobs": None}]}))
+    with pytest.raises(E.EndpointError, match="returned no logprobs"):
+        E.Endpoint(nolp.url, model="stub").complete("hi", logprobs=5)
+    refused = stub(lambda n: (404, {"error": {"message": "model 'x' does not exist"}}))
+    with pytest.raises(E.EndpointError, match="HTTP 404: model 'x' does not exist"):
+        E.Endpoint(refused.url, model="stub", retries=3).complete("hi")
+    assert refused.count == 1, "a 4xx is the caller's mistake: no retries"
+
+
+def test_unreachable_server_and_bad_urls():
+    ep = E.Endpoint(f"http://127.0.0.1:{_free_port()}", retries=1, backoff=0.01)
+    with pytest.raises(E.EndpointError, match="cannot connect"):
+        ep.models()
+    for url, why in [("localhost:8000", "http://"), ("ftp://x", "http://"), ("http://", "no host"),
+                     ("http://h:99999", "invalid port"), ("http://h/v1?x=1", "query"), ("", "non-empty")]:
+        with pytest.raises(ValueError, match=why):
+            E.Endpoint(url)
+    for kw, why in [({"timeout": 0}, "timeout"), ({"retries": -1}, "retries"), ({"backoff": math.nan}, "backoff")]:
+        with pytest.raises(ValueError, match=why):
+            E.Endpoint("http://h", **kw)
+
+
+@given(st.text(max_size=40))
+def test_base_url_accepts_or_explains(text):
+    try:
+        u = E.base_url(text)
+    except ValueError as e:
+        assert "endpoint URL" in str(e)
+    else:
+        assert u.startswith(("http://", "https://")) and not u.endswith(("/v1", "/"))
+
+
+def test_base_url_strips_v1():
+    assert E.base_url("http://h:8000/v1/") == E.base_url("http://h:8000") == "http://h:8000"
+
+
+@given(st.dictionaries(st.sampled_from("abcdefgh"), st.floats(-20, 0), min_size=1),
+       st.dictionaries(st.sampled_from("abcdefgh"), st.floats(-20, 0), min_size=1))
+def test_topk_kl_is_finite_nonnegative_and_zero_on_itself(t, s):
+    kl = E._topk_kl(t, s)
+    assert math.isfinite(kl) and kl >= 0
+    assert E._topk_kl(t, t) == pytest.approx(0, abs=1e-9)
+
+
+def test_exact_match():
+    assert E.exact_match(" 12345.", "12345") and E.exact_match("12345", "12345")
+    assert not E.exact_match(" 123456", "12345") and not E.exact_match(" 1234", "12345")
+
+
+# --------------------------------------------------------------------------- end to end on loopback
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2):
+    """Two real servers of the workbook's model: full precision and INT4 with one scale per tensor."""
+    from kvlab.server import CompletionServer
+
+    model, tok = smollm2
+    a = CompletionServer(model, tok, "fp32", name="smollm2").start()
+    b = CompletionServer(model, tok, "int4_tensor", name="smollm2").start()
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.slow
+def test_side_by_side_end_to_end(servers, tmp_path, capsys):
+    a, b = servers
+    out = tmp_path / "side.json"
+    args = ["niah", "--endpoint", a.url, "--compare", b.url + "/v1", "--lengths", "256", "--depths", "0.5",
+            "--trials", "3", "--max-tokens", "6", "--concurrency", "2", "--out", str(out), "--top-logprobs", "4"]
+    assert main(args) == 0, capsys.readouterr().err
+    doc = E.load(out)
+    res = E.results(doc)
+    assert set(res) == {a.url, b.url}
+    assert res[a.url].accuracy() == 1.0, "full precision should retrieve every 256-token passkey"
+    assert doc["length_check"][a.url] <= 2, "prompts should reach the server at (almost) their intended length"
+    assert doc["disagreements"], "INT4 with one scale per tensor should miss some 256-token passkeys fp32 finds"
+    ag = doc["agreement"]
+    assert ag["prompts"] == 3 and ag["mean_topk_kl"] > 0 and "top-k" in ag["caveat"]
+    assert len(doc["disagreements"]) == sum(1 for r in res[b.url].rows for _ in range(r["trials"] - r["correct"]))
+    journal = tmp_path / "side.requests.jsonl"
+    assert len(journal.read_text().splitlines()) == 6
+    # an interrupted run resumes: drop one answer, and only that request is sent again
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n")
+    assert main(args) == 0
+    assert len(journal.read_text().splitlines()) == 6
+    assert E.load(out)["results"] == doc["results"]
+
+
+class FlakyProxy:
+    """Forwards completions to ``target``, but answers every other request with a 503 first."""
+
+    def __init__(self, target: str):
+        import httpx
+
+        self.calls = 0
+        proxy = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *x):
+                pass
+
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, httpx.get(target + self.path, timeout=30).json())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                proxy.calls += 1
+                if proxy.calls % 2:
+                    return self._send(503, {"error": {"message": "overloaded"}})
+                self._send(200, httpx.post(target + self.path, json=body, timeout=60).json())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.slow
+def test_side_by_side_through_a_flaky_proxy_and_a_stalled_server(servers, stub, tmp_path, capsys):
+    proxy, stall = FlakyProxy(servers[0].url), stub(lambda n: (200, None), models=["smollm2"])
+    out = tmp_path / "flaky.json"
+    t0 = time.perf_counter()
+    try:
+        rc = main(["niah", "--endpoint", proxy.url, "--compare", stall.url, "--endpoint-model", "smollm2",
+                   "--lengths", "200", "--depths", "1", "--trials", "2", "--max-tokens", "6", "--concurrency", "1",
+                   "--timeout", "5", "--retries", "1", "--backoff", "0.1", "--top-logprobs", "0", "--out", str(out)])
+    finally:
+        proxy.close()
+    assert time.perf_counter() - t0 < 120, "a stalled server must time out, not hang the run"
+    assert rc == 1, "failed requests make the run exit 1"
+    assert "2 requests failed after their retries" in capsys.readouterr().out
+    doc = E.load(out)
+    assert E.results(doc)[proxy.url].accuracy() == 1.0, "every request through the flaky proxy succeeds on its retry"
+    assert proxy.calls == 4, "each of the two prompts: one 503, one retry that goes through"
+    assert len(doc["errors"][stall.url]) == 2
+    assert all("no answer within 5 s" in e["error"] for e in doc["errors"][stall.url])
+
+
+def test_cli_niah_endpoint_errors(capsys, tmp_path):
+    port = _free_port()
+    assert main(["niah", "--endpoint", f"http://127.0.0.1:{port}", "--retries", "0", "--model", "kvlab-tiny",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "cannot connect" in capsys.readouterr().err
+    assert main(["niah", "--endpoint", "localhost:1", "--model", "kvlab-tiny"]) == 2
+    assert "http://" in capsys.readouterr().err
+    assert main(["niah", "--compare", "http://h"]) == 2
+    assert "--compare needs --endpoint" in capsys.readouterr().err
+    assert main(["niah", "--endpoint", "http://h", "--kv-format", "int4"]) == 2
+    assert "server's flag decides" in capsys.readouterr().err
+    assert main(["niah"]) == 2
+    assert "--kv-format is required" in capsys.readouterr().err
+
+
+def test_server_rejects_bad_requests(servers):
+    import httpx
+
+    a, _ = servers
+    for body, why in [({"prompt": "x", "temperature": 0.7}, "greedily"), ({"prompt": ""}, "empty"),
+                      ({"prompt": 3}, "'prompt' must be"), ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+                      ({"prompt": "x", "logprobs": 99}, "logprobs"), ({"prompt": "x", "model": "gpt"}, "does not exist"),
+                      ({"prompt": [10**9]}, "token ids"), ({"prompt": "x", "stream": True}, "stream")]:
+        r = httpx.post(a.url + "/v1/completions", json=body, timeout=30)
+        assert 400 <= r.status_code < 500 and why in r.json()["error"]["message"], (body, r.text)
+    r = httpx.post(a.url + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    assert httpx.get(a.url + "/nope", timeout=30).status_code == 404
+    tok = httpx.post(a.url + "/tokenize", json={"content": "hello world"}, timeout=30).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+
+
+def test_echo_logprobs_and_perplexity(servers, smollm2):
+    a, b = servers
+    model, tok = smollm2
+    ep = E.Endpoint(a.url)
+    assert ep.resolve_model() == "smollm2"
+    out = ep.complete("The capital of France is", max_tokens=2, logprobs=3, echo=True)
+    n = out["prompt_tokens"]
+    assert out["token_logprobs"][0] is None and len(out["token_logprobs"]) == n + len(out["top_logprobs"]) - n
+    assert all(x <= 0 for x in out["token_logprobs"][1:])
+    ppl = E.perplexity(ep, tok, window=128, max_windows=1)
+    assert 1 < ppl < 200 and math.isfinite(ppl)
+    # the default server lets the prompt attend in full precision: the rung cannot see the KV format
+    assert E.perplexity(E.Endpoint(b.url), tok, window=128, max_windows=1) == pytest.approx(ppl, rel=1e-4)
