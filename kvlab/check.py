@@ -1,4 +1,8 @@
-"""Check-yourself cells: multiple choice, numeric answers, and coding exercises.
+"""Check-yourself cells (multiple choice, numeric answers, coding exercises) and the chapters' guards.
+
+:func:`claims` is how a chapter keeps its prose honest: the sentences a cell prints are
+listed, in words, with the comparison on the data that supports each; if the data stops
+supporting one, the cell fails and names it. Otherwise it prints one line.
 
 Each question works two ways: call ``.check(answer)`` to get a :class:`Feedback`
 (what the tests and the executed notebooks use), or display the object in
@@ -183,3 +187,28 @@ class Exercise:
         bad = next(i for i, (g, w) in enumerate(zip(got, want)) if not _same(g, w, self.atol))
         return Feedback(False, f"{self.name}: case {bad} differs from the reference "
                                f"(shapes, dtypes and values are all compared).")
+
+
+def claims(checks: dict[str, object], *, show: bool = True) -> int:
+    """Check every claim of a paragraph; raise ``AssertionError`` naming each one the data no longer supports.
+
+    ``checks`` maps a claim, in words, to a truth value, or to ``(truth, detail)`` where
+    ``detail`` (the numbers involved) goes into the error. Prints one line when all hold
+    (unless ``show=False``) and returns how many were checked.
+    """
+    if not isinstance(checks, dict) or not checks:
+        raise ValueError("claims takes a non-empty dict {claim in words: truth or (truth, detail)}")
+    failed = []
+    for claim, value in checks.items():
+        truth, detail = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+        try:
+            ok = bool(truth)
+        except (TypeError, RuntimeError, ValueError) as e:  # e.g. a tensor of many elements
+            raise ValueError(f"claim {claim!r}: its value must be true or false, got {type(truth).__name__}") from e
+        if not ok:
+            failed.append(claim + ("" if detail is None else f" (got {detail})"))
+    if failed:
+        raise AssertionError("the data no longer supports: " + "; ".join(failed) + ". Update the text above.")
+    if show:
+        print(f"✓ {len(checks)} claim{'s' if len(checks) != 1 else ''} checked against the data")
+    return len(checks)

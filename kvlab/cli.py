@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from . import budget as B
@@ -240,6 +241,7 @@ def cmd_niah_endpoint(args) -> int:
             raise ValueError(f"--tokenizer {name}: could not load it ({str(e).splitlines()[0]})") from None
         prompts = E.ladder_prompts(tok, args.task, args.lengths, args.depths or [1.0], args.trials, seed=args.seed,
                                    hops=args.hops, haystack=args.haystack)
+        t0 = time.perf_counter()
         records = E.run_ladder(eps, prompts, journal, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
                                concurrency=args.concurrency, progress=not args.json)
         doc = E.side_by_side(records, eps[0].url, eps[1].url if len(eps) > 1 else None)
@@ -251,6 +253,7 @@ def cmd_niah_endpoint(args) -> int:
     doc["settings"] = {k: getattr(args, k) for k in ("task", "lengths", "depths", "trials", "seed", "hops",
                                                      "haystack", "max_tokens", "top_logprobs", "concurrency")}
     doc["journal"] = str(journal)
+    doc["wall_seconds"] = round(time.perf_counter() - t0, 1)  # this run only (a resumed run reuses answers)
     write_json(out, doc)
     failed = sum(len(v) for v in doc["errors"].values())
     if args.json:

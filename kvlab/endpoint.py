@@ -382,7 +382,9 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
            "results": {u: asdict(_result(list(by[u].values()), u, task)) for u in urls},
            "errors": {u: [{"key": k, "error": r["error"]} for k, r in by[u].items() if r.get("error")] for u in urls},
            "length_check": {u: max((abs(r["prompt_tokens"] - r["length"]) for r in by[u].values()
-                                    if isinstance(r.get("prompt_tokens"), int)), default=None) for u in urls}}
+                                    if isinstance(r.get("prompt_tokens"), int)), default=None) for u in urls},
+           "seconds_per_request": {u: _mean([r["seconds"] for r in by[u].values() if not r.get("error")
+                                             and isinstance(r.get("seconds"), int | float)]) for u in urls}}
     if student_url:
         t, s = by[teacher_url], by[urls[1]]
         both = [k for k in t if k in s and not t[k].get("error") and not s[k].get("error")]
@@ -399,6 +401,10 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
             "median_first_divergence": _median([a["first_divergence"] for a in ag if a["first_divergence"] is not None]),
             "caveat": TOPK_CAVEAT}
     return doc
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def _median(xs: list[int]) -> float | None:

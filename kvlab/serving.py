@@ -25,8 +25,17 @@ from .simulator import (
 )
 from .traces import load_trace
 from .widgets import cost_table_html
-from .workloads import WORKLOADS, few_shot, multi_turn_chat, rag, shared_system_prompt
+from .workloads import (
+    WORKLOADS,
+    cost_split,
+    few_shot,
+    multi_turn_chat,
+    rag,
+    shared_system_prompt,
+    without_sharing,
+)
 
-__all__ = ["BlockPool", "CostModel", "Request", "SimResult", "WORKLOADS", "block_hashes", "cost_table",
+__all__ = ["BlockPool", "CostModel", "cost_split", "Request", "SimResult", "WORKLOADS", "block_hashes", "cost_table",
            "cost_table_html", "few_shot", "hit_rate_vs_pool", "load_trace", "multi_turn_chat", "pool_blocks",
-           "quality_by_length", "rag", "request_from_tokens", "shared_system_prompt", "simulate"]
+           "quality_by_length", "rag", "request_from_tokens", "shared_system_prompt", "simulate",
+           "without_sharing"]

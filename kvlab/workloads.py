@@ -9,6 +9,8 @@ everything.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 
 from .simulator import Request, request_from_tokens
@@ -81,3 +83,42 @@ def few_shot(n=300, templates=5, template_len=1500, query_len=(20, 100), output_
 
 
 WORKLOADS = {"system-prompt": shared_system_prompt, "chat": multi_turn_chat, "rag": rag, "few-shot": few_shot}
+
+
+def without_sharing(requests: list[Request]) -> list[Request]:
+    """The same requests (arrivals, lengths) with every block hash made unique: no prefix is ever reused.
+
+    Replaying both separates what a smaller KV format buys through concurrency alone (more
+    sequences fit at once) from what it buys through prefix hits (more popular blocks stay cached).
+    """
+    fresh = itertools.count(2**64)  # above every 64-bit hash and trace id: never equal to a real block
+    return [dataclasses.replace(
+        r, prompt_hashes=[next(fresh) for _ in r.prompt_hashes],
+        output_hashes=None if r.output_hashes is None else [next(fresh) for _ in r.output_hashes])
+        for r in requests]
+
+
+def cost_split(requests: list[Request], model, gpu, formats, *, reference: str = "bf16", gpu_hour_usd: float = 3.0,
+               **kw) -> list[dict]:
+    """What each format saves against ``reference``, with the trace's prefix sharing and without it.
+
+    Without sharing the saving is the concurrency effect alone; the difference between the two
+    savings is what the extra prefix hits add. Rows: ``kv_format``, ``usd_shared``,
+    ``usd_unshared`` ($ per million output tokens), ``saving_shared``, ``saving_unshared``
+    (fractions of the reference's cost), ``hit_rate`` and ``peak_concurrency`` with sharing,
+    and ``peak_concurrency_unshared``.
+    """
+    from .simulator import cost_table
+
+    formats = list(formats)
+    if reference not in formats:
+        formats = [reference, *formats]
+    both = {name: {r["kv_format"]: r for r in cost_table(rs, model, gpu, formats, gpu_hour_usd=gpu_hour_usd, **kw)}
+            for name, rs in (("shared", requests), ("unshared", without_sharing(requests)))}
+    ref = {name: rows[reference]["usd_per_m_tokens"] for name, rows in both.items()}
+    return [{"kv_format": f, "usd_shared": both["shared"][f]["usd_per_m_tokens"],
+             "usd_unshared": both["unshared"][f]["usd_per_m_tokens"],
+             "saving_shared": 1 - both["shared"][f]["usd_per_m_tokens"] / ref["shared"],
+             "saving_unshared": 1 - both["unshared"][f]["usd_per_m_tokens"] / ref["unshared"],
+             "hit_rate": both["shared"][f]["hit_rate"], "peak_concurrency": both["shared"][f]["peak_concurrency"],
+             "peak_concurrency_unshared": both["unshared"][f]["peak_concurrency"]} for f in formats]

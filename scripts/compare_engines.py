@@ -6,6 +6,11 @@ sweep (:func:`kvlab.engines.llamacpp_passkey`). Writes ``data/results/engines_ll
 puts it beside kvlab's emulation of the same cache types. ``--quick`` runs only the first case (f16, one
 prompt at 512 tokens) and writes nowhere unless ``--out`` is given.
 
+``--llama-server``: the same comparison the way a reader would run it against real deployments: two
+llama.cpp servers (``python -m llama_cpp.server``, OpenAI-compatible) on the same GGUF, one with an f16
+cache and one with q4_0, on loopback, measured with ``kvlab niah --endpoint ... --compare ...``. Writes
+``data/results/engines_llamacpp_server.json`` (the side-by-side JSON plus versions and machine).
+
 ``--quanto``: ``transformers``' ``QuantizedCache`` with the quanto backend (``optimum-quanto``) vs the
 ``hf-int4`` / ``hf-int2`` presets on SmolLM2-135M-Instruct, same passkey prompts, one shared prefill
 (:func:`kvlab.engines.quanto_side_by_side`). Writes ``data/results/engines_quanto.json`` with the
@@ -13,6 +18,7 @@ versions, machine and run time; chapter 4 reads it.
 
     python scripts/compare_engines.py --quanto [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --llama-cpp [--lengths 512 2048] [--trials 5]   # 8192 adds ~45 min on 2 cores
+    python scripts/compare_engines.py --llama-server [--lengths 512 2048] [--trials 3]
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def main(argv=None) -> dict:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--quanto", action="store_true", help="transformers' QuantizedCache (quanto)")
     which.add_argument("--llama-cpp", action="store_true", help="llama.cpp on the GGUF file (make peers)")
+    which.add_argument("--llama-server", action="store_true",
+                       help="two llama.cpp servers (f16, q4_0 cache) compared with kvlab niah --endpoint")
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=5)
@@ -56,12 +64,15 @@ def main(argv=None) -> dict:
     if not all(0 <= d <= 1 for d in args.depths):
         p.error("--depths must be in [0, 1]")
     if args.out is None and not args.quick:
-        args.out = RESULTS_DIR / ("engines_llamacpp.json" if args.llama_cpp else "engines_quanto.json")
+        args.out = RESULTS_DIR / ("engines_llamacpp.json" if args.llama_cpp else "engines_llamacpp_server.json"
+                                  if args.llama_server else "engines_quanto.json")
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         p.error(f"--out {args.out}: must be a file in an existing folder")
     torch.manual_seed(0)
     if args.llama_cpp:
         return llama(args)
+    if args.llama_server:
+        return llama_server(args)
     model, tok = load_model()
     t = time.time()
     res = engines.quanto_side_by_side(model, tok, lengths=tuple(args.lengths), trials=args.trials,
@@ -101,6 +112,76 @@ def llama(args) -> dict:
     if args.out is not None:
         write_json(args.out, doc)
     print(json.dumps({ct: sum(r["correct"] for r in v["rows"]) for ct, v in res.items()}))
+    return doc
+
+
+def llama_server(args) -> dict:
+    """Two llama.cpp servers on loopback (f16 and q4_0 K/V cache), compared by ``kvlab niah --endpoint``."""
+    import socket
+    import subprocess
+    import tempfile
+
+    import httpx
+
+    from kvlab.cli import main as kvlab
+    from kvlab.models import smollm2_folder, smollm2_gguf
+
+    try:
+        import llama_cpp
+        import llama_cpp.server.app  # noqa: F401  (the [server] extra: fastapi, uvicorn, ...)
+    except ImportError:
+        raise SystemExit("needs llama-cpp-python[server]: `make peers` installs it") from None
+    types = {"f16": llama_cpp.GGML_TYPE_F16, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+    if args.quick:
+        args.lengths, args.depths, args.trials = [256], [0.5], 1
+    procs, urls = [], {}
+    log = Path(tempfile.mkdtemp()) / "llama-server.log"
+    try:
+        for ct, code in types.items():
+            with socket.socket() as s_:
+                s_.bind(("127.0.0.1", 0))
+                port = s_.getsockname()[1]
+            cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(smollm2_gguf()), "--model_alias",
+                   "smollm2", "--type_k", str(code), "--type_v", str(code), "--flash_attn", "true",
+                   "--n_ctx", str(max(args.lengths) + 64), "--n_threads", "1", "--n_threads_batch", "1",
+                   "--host", "127.0.0.1", "--port", str(port)]
+            procs.append(subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT))
+            urls[ct] = f"http://127.0.0.1:{port}"
+        for ct, u in urls.items():  # wait until each answers, or say why not
+            for _ in range(240):
+                try:
+                    if httpx.get(u + "/v1/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if any(p_.poll() is not None for p_ in procs):
+                    raise SystemExit(f"a llama.cpp server exited; see {log}")
+                time.sleep(0.5)
+            else:
+                raise SystemExit(f"llama.cpp server ({ct}) did not answer within 120 s; see {log}")
+        out = args.out or Path(tempfile.mkdtemp()) / "llama_server.json"
+        t = time.time()
+        rc = kvlab(["niah", "--endpoint", urls["f16"], "--compare", urls["q4_0"], "--tokenizer", str(smollm2_folder()),
+                    "--lengths", ",".join(map(str, args.lengths)), "--depths", ",".join(map(str, args.depths)),
+                    "--trials", str(args.trials), "--max-tokens", str(args.new_tokens), "--concurrency", "2",
+                    "--top-logprobs", "5", "--out", str(out)])
+        if rc != 0:
+            raise SystemExit(f"kvlab niah --endpoint exited {rc}")
+    finally:
+        for p_ in procs:
+            p_.terminate()
+            p_.wait(timeout=30)
+    doc = json.loads(Path(out).read_text())
+    doc |= {"what": "two llama.cpp servers (llama-cpp-python's OpenAI-compatible server) on SmolLM2-135M-Instruct's "
+                    "GGUF, K/V cache f16 (teacher) and q4_0 (student), flash attention on, one thread each; "
+                    "compared with `kvlab niah --endpoint URL --compare URL2` on chapter 4's passkey prompts",
+            "labels": {urls["f16"]: "llama.cpp f16 cache", urls["q4_0"]: "llama.cpp q4_0 cache"},
+            "versions": {"llama-cpp-python": md.version("llama-cpp-python"), "kvlab": md.version("kvlab")},
+            "machine": cpu_model(), "seconds": round(time.time() - t), "date": dt.date.today().isoformat()}
+    doc.pop("journal", None)
+    if args.out is not None:
+        write_json(args.out, doc)
+    print(json.dumps({doc["labels"][u]: sum(r["correct"] for r in v["rows"]) for u, v in doc["results"].items()}))
     return doc
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvlab.check import Exercise, MultipleChoice, Numeric
+from kvlab.check import Exercise, MultipleChoice, Numeric, claims
 
 
 def test_multiple_choice():
@@ -69,3 +69,14 @@ def test_widgets_build():
     box.value = 3.0
     button.click()
     assert "Correct" in out.value
+
+
+def test_claims_names_what_fails(capsys):
+    assert claims({"two is more than one": 2 > 1, "a tensor compare": torch.tensor(True)}) == 2
+    assert "2 claims checked" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match=r"one is more than two \(got 1 vs 2\); zero is true\. Update"):
+        claims({"fine": True, "one is more than two": (1 > 2, "1 vs 2"), "zero is true": 0})
+    with pytest.raises(ValueError, match="true or false"):
+        claims({"many": torch.ones(3)})
+    with pytest.raises(ValueError, match="non-empty"):
+        claims({})

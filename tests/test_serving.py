@@ -213,3 +213,24 @@ def test_a_timestamp_too_large_for_a_float_is_a_clear_error(tmp_path):
     p.write_text('{"timestamp": 1' + "0" * 400 + ', "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
     with pytest.raises(ValueError, match=":1: timestamp must be a finite number"):
         S.load_trace(p)
+
+
+def test_without_sharing_removes_every_hit_and_keeps_the_rest():
+    reqs = S.rag(n=60, docs=5, doc_len=200, seed=1)
+    alone = S.without_sharing(reqs)
+    assert [(r.arrival, r.prompt_len, r.output_len) for r in alone] == [(r.arrival, r.prompt_len, r.output_len) for r in reqs]
+    shared = S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16")
+    unshared = S.simulate(alone, "llama-3.1-8b", "H100-80GB", "bf16")
+    assert shared.hit_rate > 0.3 and unshared.hit_rate == 0.0
+
+
+def test_cost_split_separates_concurrency_from_hits():
+    reqs = S.rag(n=120, docs=20, doc_len=400, seed=2)
+    rows = {r["kv_format"]: r for r in S.cost_split(reqs, "llama-3.1-8b", "L4", ["fp8_e4m3", "int4"])}
+    assert rows["bf16"]["saving_shared"] == rows["bf16"]["saving_unshared"] == 0
+    for f in ("fp8_e4m3", "int4"):
+        assert 0 < rows[f]["saving_unshared"] < 1 and rows[f]["usd_shared"] < rows[f]["usd_unshared"]
+    # the price scales every cost and no saving
+    again = {r["kv_format"]: r for r in S.cost_split(reqs, "llama-3.1-8b", "L4", ["int4"], gpu_hour_usd=1.0)}
+    assert again["int4"]["saving_shared"] == pytest.approx(rows["int4"]["saving_shared"])
+    assert again["int4"]["usd_shared"] == pytest.approx(rows["int4"]["usd_shared"] / 3)
