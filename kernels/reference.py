@@ -148,11 +148,8 @@ class _Tile:
         self.off, self.scale, self.zero, factor = 0.0, None, None, 1.0
         if (q.kind == "int" and q.bits == 4) or q.kind == "fp8":
             self.planes = 2
-            if q.kind == "int":  # nibbles written straight into their planes, then one conversion
-                nib = c.new_empty((B, H, n, 2, D // 2))
-                torch.bitwise_and(c, 0xF, out=nib[..., 0, :])
-                torch.bitwise_right_shift(c, 4, out=nib[..., 1, :])
-                self.codes = nib.view(B, H, n, D).float()
+            if q.kind == "int":  # both nibble planes side by side, then one conversion
+                self.codes = torch.stack((c & 0xF, c >> 4), -2).view(B, H, n, D).float()
             else:
                 self.codes = _fp8_planes(c).float()
                 factor = 256.0 if c.dtype == torch.float8_e4m3fn else 1.0
@@ -188,19 +185,16 @@ def _fp8_planes(c: torch.Tensor) -> torch.Tensor:
     int16, element ``2i`` in the low byte. e5m2 is the top byte of an fp16, so each byte moved
     to the top is its value. An e4m3 byte's sign, exponent and mantissa placed as
     ``sign | bits << 7`` in an fp16 give ``x * 2^-8`` exactly, subnormals included (the caller
-    folds the 256 into the scale): an arithmetic shift right by one and a mask do that. Each
-    shift writes straight into its plane of one buffer (no strided copies afterwards).
+    folds the 256 into the scale): an arithmetic shift right by one and a mask do that, on both
+    planes at once. (Stacking the planes, then one conversion, beats writing into strided halves.)
     """
     w = c.view(torch.int16)
-    planes = torch.empty((*w.shape[:-1], 2, w.shape[-1]), dtype=torch.int16, device=c.device)
-    even, odd = planes[..., 0, :], planes[..., 1, :]
-    torch.bitwise_left_shift(w, 8, out=even)
     if c.dtype == torch.float8_e5m2:
-        torch.bitwise_and(w, -256, out=odd)  # 0xFF00
+        planes = torch.stack((w << 8, w & -256), -2)  # -256 = 0xFF00
     else:
-        even >>= 1
-        torch.bitwise_right_shift(w, 1, out=odd)
-        planes &= 0xBF80 - 0x10000  # keep the sign (bit 15) and bits 13..7
+        planes = torch.stack((w << 8, w), -2)  # the even byte moved to the top; the odd one is there already
+        planes >>= 1  # arithmetic: the sign stays in bit 15 (and is copied into bit 14)
+        planes &= 0xBF80 - 0x10000  # keep the sign and bits 13..7
     return planes.view(torch.float16).reshape(*w.shape[:-1], 2 * w.shape[-1])
 
 
