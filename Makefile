@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test quick lint unit notebooks browser-deps data peers gpu clean
+.PHONY: lab test quick lint unit notebooks book browser-deps data peers gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,13 +56,19 @@ quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not browser" tests
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --ignore=tests/test_book.py
 
+# Every chapter executed (nbclient) into the static HTML book, and the book checked; also part of `make test`.
 notebooks: $(STAMP)
-	$(BIN)/python -m pytest -q --nbmake --nbmake-timeout=900 notebooks
+	$(BIN)/python -m pytest -q tests/test_book.py
 
+# The chapters as a static HTML book in build/book/ (one page a chapter, figures drawn without a kernel).
+book: $(STAMP)
+	$(BIN)/python -m kvlab.book build/book
+
+# Unit tests, the loopback servers, and every chapter executed once (into the book, whose pages a browser checks).
 test: $(STAMP) browser-deps lint
-	$(BIN)/python -m pytest -q tests --nbmake --nbmake-timeout=900 notebooks
+	$(BIN)/python -m pytest -q tests
 
 # Regenerate shipped data (see README): the corpus, then the model (about an hour on 2 CPU cores).
 data: $(STAMP)
@@ -82,9 +88,11 @@ gpu: $(STAMP)
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF
 peers: $(STAMP)
-	$(BIN)/python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet "$(LLAMA_CPP_PYTHON)"
+	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet "$(LLAMA_CPP_PYTHON)[server]" "torch==$(TORCH_VERSION)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python scripts/compare_engines.py --llama-cpp
+	$(BIN)/python scripts/compare_engines.py --llama-server
 	$(BIN)/python scripts/compare_engines.py --quanto
+	$(BIN)/python scripts/compare_engines.py --hqq
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

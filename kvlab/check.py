@@ -43,39 +43,79 @@ class Feedback:
         return ("Correct. " if self.correct else "Not yet. ") + self.message
 
 
-def _feedback_widget(make_input, on_check):
-    """An input, a Check button, and an HTML line that shows the feedback."""
+def _feedback_widget(make_input, on_check, reveal: str):
+    """An input, a Check button, an HTML line for the feedback, and a button that reveals the answer."""
     import ipywidgets as w
 
     inp = make_input()
     out = w.HTML()
     btn = w.Button(description="Check", button_style="primary")
+    show = w.Button(description="Show the answer")
 
     def clicked(_):
         out.value = on_check(inp.value)._repr_html_()
 
+    def revealed(_):
+        out.value = reveal
+
     btn.on_click(clicked)
-    return w.VBox([inp, btn, out])
+    show.on_click(revealed)
+    return w.VBox([inp, w.HBox([btn, show]), out])
+
+
+def _show(widget, snapshot: str) -> None:
+    """Display ``widget`` live, with a static HTML ``snapshot`` beside it for exports (the HTML book)."""
+    from IPython.display import display
+
+    bundle = widget._repr_mimebundle_()
+    bundle = bundle[0] if isinstance(bundle, tuple) else bundle
+    display({**bundle, "text/html": snapshot}, raw=True)
+
+
+def _reveal_html(question_html: str, body_html: str, answer_html: str) -> str:
+    return (f"<div class='kvlab-quiz'><p>{question_html}</p>{body_html}<details><summary>Show the answer</summary>"
+            f"{answer_html}</details></div>")
+
+
+def _shuffled(question: str, options: list[str]) -> list[str]:
+    """A fixed order that does not depend on the order the author wrote the options in."""
+    import hashlib
+
+    return sorted(options, key=lambda o: hashlib.sha1((question + "\0" + o).encode()).hexdigest())
 
 
 class MultipleChoice:
-    """``choices`` maps each option's text to the explanation shown when it is picked."""
+    """``choices`` maps each option's text to the explanation shown when it is picked.
+
+    Options are shown in a fixed order derived from their text (not the order written), and an
+    answer much longer than every other option is refused: length must not give it away.
+    """
 
     def __init__(self, question: str, choices: dict[str, str], answer: str):
         if answer not in choices:
             raise ValueError(f"answer {answer!r} is not one of the choices")
         if len(choices) < 2:
             raise ValueError("a multiple-choice question needs at least two choices")
+        longest_other = max(len(c) for c in choices if c != answer)
+        if len(answer) > 1.3 * longest_other:
+            raise ValueError(f"the answer ({len(answer)} characters) is much longer than every other option "
+                             f"(at most {longest_other}): its length gives it away; balance the options")
         self.question, self.choices, self.answer = question, dict(choices), answer
+        self.options = _shuffled(question, list(choices))
 
     def check(self, choice) -> Feedback:
         if isinstance(choice, int) and not isinstance(choice, bool):
-            if not 0 <= choice < len(self.choices):
-                raise ValueError(f"choice index must be in [0, {len(self.choices)}), got {choice}")
-            choice = list(self.choices)[choice]
+            if not 0 <= choice < len(self.options):
+                raise ValueError(f"choice index must be in [0, {len(self.options)}), got {choice}")
+            choice = self.options[choice]
         if choice not in self.choices:
-            raise ValueError(f"{choice!r} is not one of the choices: {list(self.choices)}")
+            raise ValueError(f"{choice!r} is not one of the choices: {self.options}")
         return Feedback(choice == self.answer, self.choices[choice])
+
+    def _answer_html(self) -> str:
+        import html
+
+        return f"<p><b>{html.escape(self.answer)}</b> {html.escape(self.choices[self.answer])}</p>"
 
     def widget(self):
         import ipywidgets as w
@@ -83,15 +123,18 @@ class MultipleChoice:
         return w.VBox([
             w.HTML(f"<b>{self.question}</b>"),
             _feedback_widget(
-                lambda: w.RadioButtons(options=list(self.choices), value=None, layout={"width": "max-content"}),
+                lambda: w.RadioButtons(options=self.options, value=None, layout={"width": "max-content"}),
                 lambda v: Feedback(False, "Pick an answer first.") if v is None else self.check(v),
+                self._answer_html(),
             ),
         ])
 
     def _ipython_display_(self):
-        from IPython.display import display
+        import html
 
-        display(self.widget())
+        items = "".join(f"<li>{html.escape(o)}</li>" for o in self.options)
+        _show(self.widget(), _reveal_html(f"<b>{html.escape(self.question)}</b>", f"<ol type='a'>{items}</ol>",
+                                          self._answer_html()))
 
 
 class Numeric:
@@ -123,32 +166,67 @@ class Numeric:
             return Feedback(False, f"Your answer is {ratio:.3g}x the expected value. Recheck each factor.")
         return Feedback(False, "Recheck each factor.")
 
+    def _answer_html(self) -> str:
+        import html
+
+        return f"<p><b>{self.answer:,.6g} {html.escape(self.unit)}</b> {html.escape(self.explanation)}</p>"
+
     def widget(self):
         import ipywidgets as w
 
         return w.VBox([
             w.HTML(f"<b>{self.question}</b>" + (f" ({self.unit})" if self.unit else "")),
-            _feedback_widget(lambda: w.FloatText(value=0.0), self.check),
+            _feedback_widget(lambda: w.FloatText(value=0.0), self.check, self._answer_html()),
         ])
 
     def _ipython_display_(self):
-        from IPython.display import display
+        import html
 
-        display(self.widget())
+        unit = f" ({html.escape(self.unit)})" if self.unit else ""
+        _show(self.widget(), _reveal_html(f"<b>{html.escape(self.question)}</b>{unit}", "", self._answer_html()))
 
 
 def _same(a, b, atol) -> bool:
     if isinstance(a, tuple | list) and isinstance(b, tuple | list):
         return len(a) == len(b) and all(_same(x, y, atol) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape:
+        if a.shape != b.shape or a.is_floating_point() != b.is_floating_point():
             return False
-        if not a.is_floating_point() and not b.is_floating_point():
-            return torch.equal(a.to(torch.int64), b.to(torch.int64))
+        if not a.is_floating_point():  # integer codes: the exact dtype matters (int8 is not int16)
+            return a.dtype == b.dtype and torch.equal(a.to(torch.int64), b.to(torch.int64))
         return torch.allclose(a.double(), b.double(), atol=atol, rtol=0, equal_nan=True)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False
     return a == b
+
+
+def _difference(got, want, atol, where: str = "the result") -> str:
+    """What differs between the reader's output and the reference, in words: type, length, shape, dtype, range, values."""
+    if isinstance(want, tuple | list):
+        if not isinstance(got, tuple | list):
+            return f"{where} should be a tuple of {len(want)}, got a {type(got).__name__}."
+        if len(got) != len(want):
+            return f"{where} should have {len(want)} parts, got {len(got)}."
+        for i, (g, w) in enumerate(zip(got, want)):
+            if not _same(g, w, atol):
+                return _difference(g, w, atol, f"part {i} of the result")
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{where} should be a torch.Tensor, got a {type(got).__name__}."
+        if got.shape != want.shape:
+            return f"{where} has shape {tuple(got.shape)}; expected {tuple(want.shape)}."
+        if got.dtype != want.dtype and (not want.is_floating_point() or not got.is_floating_point()):
+            return f"{where} has dtype {got.dtype}; expected {want.dtype}."
+        if not want.is_floating_point() and want.numel():
+            lo, hi = int(want.min()), int(want.max())
+            glo, ghi = int(got.min()), int(got.max())
+            if glo < lo or ghi > hi:
+                return f"{where} spans [{glo}, {ghi}]; the reference stays within [{lo}, {hi}]."
+        diff = (got.double() - want.double()).abs()
+        i = int(diff.argmax())
+        return (f"{where} differs from the reference by up to {float(diff.max()):.3g} "
+                f"(first at flat index {i}: {got.flatten()[i].item()!r} vs {want.flatten()[i].item()!r}).")
+    return f"{where} is {got!r}; expected {want!r}."
 
 
 class Exercise:
@@ -185,16 +263,15 @@ class Exercise:
             if all(_same(g, b, self.atol) for g, b in zip(got, self._outputs(bug))):
                 return Feedback(False, msg)
         bad = next(i for i, (g, w) in enumerate(zip(got, want)) if not _same(g, w, self.atol))
-        return Feedback(False, f"{self.name}: case {bad} differs from the reference "
-                               f"(shapes, dtypes and values are all compared).")
+        return Feedback(False, f"{self.name}, case {bad}: {_difference(got[bad], want[bad], self.atol)}")
 
 
-def claims(checks: dict[str, object], *, show: bool = True) -> int:
+def claims(checks: dict[str, object], *, show: bool = True) -> None:
     """Check every claim of a paragraph; raise ``AssertionError`` naming each one the data no longer supports.
 
     ``checks`` maps a claim, in words, to a truth value, or to ``(truth, detail)`` where
     ``detail`` (the numbers involved) goes into the error. Prints one line when all hold
-    (unless ``show=False``) and returns how many were checked.
+    (unless ``show=False``); returns nothing, so a cell that ends with it displays no value.
     """
     if not isinstance(checks, dict) or not checks:
         raise ValueError("claims takes a non-empty dict {claim in words: truth or (truth, detail)}")
@@ -211,4 +288,3 @@ def claims(checks: dict[str, object], *, show: bool = True) -> int:
         raise AssertionError("the data no longer supports: " + "; ".join(failed) + ". Update the text above.")
     if show:
         print(f"✓ {len(checks)} claim{'s' if len(checks) != 1 else ''} checked against the data")
-    return len(checks)

@@ -20,6 +20,14 @@ Where the two differ by design (read from ``transformers.cache_utils.QuantizedLa
   one level where a value falls on a rounding boundary.
 * **Re-quantization.** ``QuantizedCache`` re-quantizes already-quantized tokens at every flush; with
   min/max groups that is close to idempotent, but not bit-exact.
+
+The same ``QuantizedCache`` with ``backend="hqq"`` (the ``hqq`` package) is compared with the same
+presets, and differs more by design: HQQ's ``axis=0`` (``QuantizedCache``'s default) reshapes the whole
+K or V tensor to ``[group_size, -1]`` and takes min/max down each column, so each group of 64 is one
+*channel* across 64 tokens spaced evenly through every head and position (a per-channel scheme, like
+KIVI's keys, but over strided tokens), and HQQ then refines each zero point with its half-quadratic
+solver instead of keeping the plain minimum. kvlab has no preset that groups this way; the rows show
+how far a per-token emulation is from it.
 """
 
 from __future__ import annotations
@@ -42,17 +50,30 @@ QUANTO_FORMATS = {
 }
 
 
-def quanto_cache(model, nbits: int = 4):
-    """The real ``transformers.QuantizedCache`` with the quanto backend (``optimum-quanto`` must be installed)."""
+BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
+
+
+def quanto_cache(model, nbits: int = 4, backend: str = "quanto"):
+    """The real ``transformers.QuantizedCache`` with the quanto (``optimum-quanto``) or HQQ (``hqq``) backend."""
+    import importlib
+
     from transformers import QuantizedCache
 
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     if nbits not in QUANTO_FORMATS:
         raise ValueError(f"nbits must be one of {sorted(QUANTO_FORMATS)} (quanto's KV cache types), got {nbits!r}")
+    module, package = BACKENDS[backend]
     try:
-        import optimum.quanto  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
-        raise ImportError("the quanto backend needs optimum-quanto: pip install optimum-quanto") from None
-    return QuantizedCache(backend="quanto", config=model.config, nbits=nbits)
+        raise ImportError(f"the {backend} backend needs {package}: pip install {package}") from None
+    return QuantizedCache(backend=backend, config=model.config, nbits=nbits)
+
+
+def engine_row_name(backend: str, nbits: int) -> str:
+    """The key of one engine's rows: ``hf-int4`` for quanto (the preset it defines), ``hqq-int4`` for HQQ."""
+    return QUANTO_FORMATS[nbits].name if backend == "quanto" else f"{backend}-int{nbits}"
 
 
 def _from_prefill(cache, dyn):
@@ -63,10 +84,12 @@ def _from_prefill(cache, dyn):
 
 @torch.no_grad()
 def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials: int = 3, depth: float = 0.5,
-                        new_tokens: int = 8, seed: int = 0, progress: bool = False) -> dict:
-    """The real ``QuantizedCache`` (quanto) vs kvlab's matching preset, prompt by prompt (see the module docstring).
+                        new_tokens: int = 8, seed: int = 0, progress: bool = False, backend: str = "quanto") -> dict:
+    """The real ``QuantizedCache`` (``backend`` quanto or hqq) vs kvlab's matching preset, prompt by prompt.
 
-    Returns ``{"hf-int4": {...}, "hf-int2": {...}}`` with, per format: ``identical`` (prompts whose
+    (See the module docstring for where they differ by design.) Returns ``{"hf-int4": {...},
+    "hf-int2": {...}}`` (``"hqq-int4"``, ... for HQQ) with, per format: ``kvlab_format`` (the preset
+    it is compared with), ``identical`` (prompts whose
     ``new_tokens`` greedy tokens are the same), ``first_divergence`` per prompt, ``kl`` (mean per-token
     KL(engine || kvlab), teacher-forced on the engine's tokens), ``top1_agreement``, and passkey exact
     match by length for each (``engine`` and ``kvlab``: ``{length: [correct, trials]}``).
@@ -81,9 +104,10 @@ def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials
         raise ValueError(f"lengths must be integers >= 64, got {lengths!r}")
     nbits = list(nbits)
     for n in nbits:
-        quanto_cache(model, n)  # checks nbits and the backend before any work
-    out = {QUANTO_FORMATS[n].name: {"nbits": n, "identical": 0, "prompts": 0, "first_divergence": [], "kl": [],
-                                    "top1_agreement": [], "engine": {}, "kvlab": {}} for n in nbits}
+        quanto_cache(model, n, backend)  # checks nbits and the backend before any work
+    out = {engine_row_name(backend, n): {"nbits": n, "kvlab_format": QUANTO_FORMATS[n].name, "identical": 0,
+                                         "prompts": 0, "first_divergence": [], "kl": [], "top1_agreement": [],
+                                         "engine": {}, "kvlab": {}} for n in nbits}
     rng = random.Random(seed)
     dev = next(model.parameters()).device
     cells = [(n, t) for n in lengths for t in range(trials)]
@@ -94,15 +118,15 @@ def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials
         dyn, first = prefill(model, ids)
         answer = torch.tensor(ex.answer_ids)
         for n in nbits:
-            fmt, row = QUANTO_FORMATS[n], out[QUANTO_FORMATS[n].name]
-            eng = decode(model, _from_prefill(quanto_cache(model, n), dyn), first, steps)[0]
+            fmt, row = QUANTO_FORMATS[n], out[engine_row_name(backend, n)]
+            eng = decode(model, _from_prefill(quanto_cache(model, n, backend), dyn), first, steps)[0]
             ours = decode(model, KVQuantCache.from_prefill(fmt, dyn), first, steps)[0]
             diff = (eng != ours).nonzero()
             row["first_divergence"].append(int(diff[0]) if len(diff) else steps)
             row["identical"] += int(not len(diff))
             row["prompts"] += 1
             forced = eng[None, :-1].to(dev)
-            le = model(forced, past_key_values=_from_prefill(quanto_cache(model, n), dyn)).logits[0].float()
+            le = model(forced, past_key_values=_from_prefill(quanto_cache(model, n, backend), dyn)).logits[0].float()
             lo = model(forced, past_key_values=KVQuantCache.from_prefill(fmt, dyn)).logits[0].float()
             pe, po = torch.log_softmax(le, -1), torch.log_softmax(lo, -1)
             row["kl"].append((pe.exp() * (pe - po)).sum(-1).clamp_min(0).mean().item())

@@ -18,6 +18,54 @@ CONTEXTS = [2**k for k in range(9, 21)]  # 512 .. 1M tokens
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "kivi-2")
 
 
+SNAPSHOT_NOTE = ("A static snapshot of an interactive panel, as it was when the chapter ran: open the notebook in "
+                 "JupyterLab (<code>make lab</code>) to move its controls.")
+
+
+def snapshot_html(widget) -> str:
+    """A widget tree as static HTML: its control settings, its HTML panes and its figures (plotly, no widget manager).
+
+    The figures are drawn by a page that loads ``plotly.min.js`` (the static book does).
+    """
+    import html
+
+    import plotly.io as pio
+
+    settings, parts = [], []
+
+    def walk(x):
+        if isinstance(x, go.FigureWidget):
+            parts.append(pio.to_html(go.Figure(x), include_plotlyjs=False, full_html=False))
+        elif isinstance(x, w.HTML):
+            parts.append(f"<div>{x.value}</div>")
+        elif isinstance(x, w.Box):
+            for child in x.children:
+                walk(child)
+        elif isinstance(x, w.ValueWidget) and getattr(x, "description", ""):
+            settings.append(f"{html.escape(x.description)} = <b>{html.escape(str(x.value))}</b>")
+
+    walk(widget)
+    head = f"<p class='kvlab-snapshot-note'>{SNAPSHOT_NOTE}</p>"
+    if settings:
+        head += "<p>" + " &middot; ".join(settings) + "</p>"
+    return "<div class='kvlab-snapshot'>" + head + "\n".join(parts) + "</div>"
+
+
+class _Panel:
+    """Displays :meth:`widget` live in Jupyter, with a static snapshot beside it for exports (the book)."""
+
+    def widget(self):  # pragma: no cover - every panel defines it
+        raise NotImplementedError
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        box = self.widget()
+        bundle = box._repr_mimebundle_()
+        bundle = bundle[0] if isinstance(bundle, tuple) else bundle
+        display({**bundle, "text/html": snapshot_html(box)}, raw=True)
+
+
 def memory_breakdown(model, gpu, kv_format, weights_dtype, batch, context, tp=1, memory_utilization=0.9):
     """GiB per GPU of weights, cache and what is left, plus whether it all fits."""
     f = B.fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
@@ -40,7 +88,7 @@ def concurrency_curves(model, gpu, weights_dtype, formats=DEFAULT_FORMATS, conte
     }
 
 
-class BudgetExplorer:
+class BudgetExplorer(_Panel):
     """Sliders for batch and context, dropdowns for model, GPU, KV format, weights dtype and TP."""
 
     def __init__(self, model="llama-3.1-70b", gpu="H200", kv_format="bf16", weights_dtype="fp8",
@@ -119,11 +167,6 @@ class BudgetExplorer:
                            self.weights_dtype, self.tp])
         return w.VBox([w.HBox([controls, self.bar]), self.status, self.curve])
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget())
-
 
 def _engine_line(fmt: str) -> str:
     """HTML: how each engine selects ``fmt`` (kvlab formats --engines), or nothing for a non-preset."""
@@ -137,7 +180,7 @@ def _engine_line(fmt: str) -> str:
     return "<br>Select it with " + ("; ".join(have) if have else "no serving engine's documented options") + "."
 
 
-class PrefixCacheExplorer:
+class PrefixCacheExplorer(_Panel):
     """Dropdowns for GPU, model, KV format and workload; hit rate vs pool size per format, updated in place."""
 
     def __init__(self, model="llama-3.1-8b", gpu="H100-80GB", workload="rag", kv_format="int4",
@@ -187,13 +230,8 @@ class PrefixCacheExplorer:
     def widget(self):
         return w.VBox([w.HBox([self.model, self.gpu]), w.HBox([self.workload, self.kv_format]), self.table, self.fig])
 
-    def _ipython_display_(self):
-        from IPython.display import display
 
-        display(self.widget())
-
-
-class QuantErrorExplorer:
+class QuantErrorExplorer(_Panel):
     """Pick a layer, K or V, an element type, a granularity and a group size: SNR and error heatmap update."""
 
     def __init__(self, capture, layer=0):
@@ -244,13 +282,8 @@ class QuantErrorExplorer:
         return w.VBox([w.HBox([w.VBox([self.layer, self.tensor, self.element, self.gran, self.group]), self.fig]),
                        self.status])
 
-    def _ipython_display_(self):
-        from IPython.display import display
 
-        display(self.widget())
-
-
-class SweepExplorer:
+class SweepExplorer(_Panel):
     """Chapter 4's sweep, one format at a time: a dropdown of formats, a haystack toggle, a heatmap.
 
     The heatmap shows passkey exact match per (needle depth, context length); the line under it
@@ -313,11 +346,6 @@ class SweepExplorer:
     def widget(self):
         return w.VBox([w.HBox([self.kv_format, self.haystack]), self.fig, self.status])
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget())
-
 
 def cost_table_html(rows: list[dict]) -> str:
     """:func:`cost_table` rows as an HTML table, scores under the quality threshold flagged in red.
@@ -353,7 +381,7 @@ def cost_table_html(rows: list[dict]) -> str:
             + cells + "</table>")
 
 
-class CostQualityTable:
+class CostQualityTable(_Panel):
     """Chapter 5's decision table: cost per format from the simulator, beside chapter 4's measured quality.
 
     A slider sets the minimum passkey exact match a format must reach at each context length;
@@ -381,8 +409,3 @@ class CostQualityTable:
 
     def widget(self):
         return w.VBox([self.threshold, self.table])
-
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget())

@@ -11,12 +11,17 @@ llama.cpp servers (``python -m llama_cpp.server``, OpenAI-compatible) on the sam
 cache and one with q4_0, on loopback, measured with ``kvlab niah --endpoint ... --compare ...``. Writes
 ``data/results/engines_llamacpp_server.json`` (the side-by-side JSON plus versions and machine).
 
+``--hqq``: the same with ``QuantizedCache(backend="hqq")`` (the ``hqq`` package), written to
+``data/results/engines_hqq.json``; its grouping differs from every kvlab preset by design (see
+:mod:`kvlab.engines`).
+
 ``--quanto``: ``transformers``' ``QuantizedCache`` with the quanto backend (``optimum-quanto``) vs the
 ``hf-int4`` / ``hf-int2`` presets on SmolLM2-135M-Instruct, same passkey prompts, one shared prefill
 (:func:`kvlab.engines.quanto_side_by_side`). Writes ``data/results/engines_quanto.json`` with the
 versions, machine and run time; chapter 4 reads it.
 
     python scripts/compare_engines.py --quanto [--lengths 512 1024 2048] [--trials 5]
+    python scripts/compare_engines.py --hqq [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --llama-cpp [--lengths 512 2048] [--trials 5]   # 8192 adds ~45 min on 2 cores
     python scripts/compare_engines.py --llama-server [--lengths 512 2048] [--trials 3]
 """
@@ -47,6 +52,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--quanto", action="store_true", help="transformers' QuantizedCache (quanto)")
+    which.add_argument("--hqq", action="store_true", help="transformers' QuantizedCache (HQQ backend)")
     which.add_argument("--llama-cpp", action="store_true", help="llama.cpp on the GGUF file (make peers)")
     which.add_argument("--llama-server", action="store_true",
                        help="two llama.cpp servers (f16, q4_0 cache) compared with kvlab niah --endpoint")
@@ -58,14 +64,14 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not args.lengths:  # llama.cpp at 8192 tokens adds ~45 minutes on 2 cores: pass --lengths to include it
-        args.lengths = [512, 1024, 2048] if args.quanto else [512, 2048]
+        args.lengths = [512, 1024, 2048] if args.quanto or args.hqq else [512, 2048]
     if args.trials < 1 or args.new_tokens < 2 or min(args.lengths) < 64:
         p.error("--trials must be >= 1, --new-tokens >= 2 and every length >= 64")
     if not all(0 <= d <= 1 for d in args.depths):
         p.error("--depths must be in [0, 1]")
     if args.out is None and not args.quick:
         args.out = RESULTS_DIR / ("engines_llamacpp.json" if args.llama_cpp else "engines_llamacpp_server.json"
-                                  if args.llama_server else "engines_quanto.json")
+                                  if args.llama_server else "engines_hqq.json" if args.hqq else "engines_quanto.json")
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         p.error(f"--out {args.out}: must be a file in an existing folder")
     torch.manual_seed(0)
@@ -75,14 +81,16 @@ def main(argv=None) -> dict:
         return llama_server(args)
     model, tok = load_model()
     t = time.time()
+    backend, package = ("hqq", "hqq") if args.hqq else ("quanto", "optimum-quanto")
     res = engines.quanto_side_by_side(model, tok, lengths=tuple(args.lengths), trials=args.trials,
-                                      new_tokens=args.new_tokens, progress=True)
-    doc = {"what": "transformers QuantizedCache(backend='quanto') vs kvlab's matching preset, SmolLM2-135M-Instruct, "
+                                      new_tokens=args.new_tokens, progress=True, backend=backend)
+    doc = {"what": f"transformers QuantizedCache(backend='{backend}') vs kvlab's matching preset, SmolLM2-135M-Instruct, "
                    "passkey prompts (filler haystack, needle at depth 0.5), one shared full-precision prefill",
+           "backend": backend,
            "lengths": args.lengths, "trials": args.trials, "new_tokens": args.new_tokens,
            "formats": {k: {**v, "engine": {str(n): c for n, c in v["engine"].items()},
                            "kvlab": {str(n): c for n, c in v["kvlab"].items()}} for k, v in res.items()},
-           "versions": {p_: md.version(p_) for p_ in ("transformers", "optimum-quanto", "torch")},
+           "versions": {p_: md.version(p_) for p_ in ("transformers", package, "torch")},
            "machine": cpu_model(), "threads": torch.get_num_threads(), "seconds": round(time.time() - t),
            "date": dt.date.today().isoformat()}
     write_json(args.out, doc)

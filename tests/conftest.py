@@ -32,3 +32,12 @@ def smollm2():
     from kvlab.models import load_model
 
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory):
+    """Every chapter executed and exported once per test session: ``(folder, report)`` (see kvlab.book)."""
+    from kvlab import book
+
+    out = tmp_path_factory.mktemp("book")
+    return out, book.build(out, progress=False)

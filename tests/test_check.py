@@ -6,13 +6,25 @@ from kvlab.check import Exercise, MultipleChoice, Numeric, claims
 
 def test_multiple_choice():
     q = MultipleChoice("2+2?", {"4": "Yes.", "5": "Off by one."}, answer="4")
-    assert q.check("4").correct and q.check(0).correct
+    assert q.check("4").correct and q.check(q.options.index("4")).correct
     fb = q.check("5")
     assert not fb.correct and fb.message == "Off by one."
     with pytest.raises(ValueError, match="not one of the choices"):
         q.check("6")
     with pytest.raises(ValueError, match="answer"):
         MultipleChoice("?", {"a": "", "b": ""}, answer="c")
+    with pytest.raises(ValueError, match="length gives it away"):
+        MultipleChoice("?", {"short": "", "the right answer, spelled out at length": ""},
+                       answer="the right answer, spelled out at length")
+
+
+def test_option_order_does_not_follow_the_written_order():
+    opts = {f"option {i}": "" for i in range(8)}
+    orders = {tuple(MultipleChoice(f"question {k}?", opts, answer="option 0").options) for k in range(6)}
+    assert len(orders) > 1, "the displayed order should vary between questions"
+    q = MultipleChoice("q?", opts, answer="option 0")
+    assert q.options == MultipleChoice("q?", dict(reversed(list(opts.items()))), answer="option 0").options, \
+        "the order must not depend on the order the author wrote the options in"
 
 
 def test_numeric_tolerance_and_named_mistakes():
@@ -47,14 +59,21 @@ def test_exercise_accepts_right_and_names_mistake():
 
     assert "RuntimeError: boom" in ex.check(crashes).message
     assert "not written yet" in ex.check(todo).message
-    assert "case 0 differs" in ex.check(lambda x: x.to(torch.int8)).message
+    assert "differs from the reference by up to" in ex.check(lambda x: x.to(torch.int8)).message
+    assert "dtype torch.float32; expected torch.int8" in ex.check(lambda x: quant_ref(x).float()).message
+    assert "shape (4, 1)" in ex.check(lambda x: quant_ref(x)[:, :1]).message
+    assert "spans [-128," in ex.check(lambda x: torch.full_like(quant_ref(x), -128)).message
+    assert "should be a tuple of 2" in Exercise("t", lambda x: (x, x), [(torch.ones(2),)]).check(lambda x: x).message
     assert not ex.check("not a function").correct
 
 
 def test_widgets_build():
     q = MultipleChoice("?", {"a": "A", "b": "B"}, answer="a")
     box = q.widget()
-    radio, button, out = box.children[1].children
+    radio, buttons, out = box.children[1].children
+    button, reveal = buttons.children
+    reveal.click()
+    assert "<b>a</b>" in out.value
     button.click()
     assert "Pick an answer" in out.value
     radio.value = "b"
@@ -65,14 +84,15 @@ def test_widgets_build():
     assert "Correct" in out.value
 
     n = Numeric("how many?", 3).widget()
-    box, button, out = n.children[1].children
+    box, buttons, out = n.children[1].children
+    button = buttons.children[0]
     box.value = 3.0
     button.click()
     assert "Correct" in out.value
 
 
 def test_claims_names_what_fails(capsys):
-    assert claims({"two is more than one": 2 > 1, "a tensor compare": torch.tensor(True)}) == 2
+    assert claims({"two is more than one": 2 > 1, "a tensor compare": torch.tensor(True)}) is None
     assert "2 claims checked" in capsys.readouterr().out
     with pytest.raises(AssertionError, match=r"one is more than two \(got 1 vs 2\); zero is true\. Update"):
         claims({"fine": True, "one is more than two": (1 > 2, "1 vs 2"), "zero is true": 0})

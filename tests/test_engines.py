@@ -21,10 +21,24 @@ def test_quanto_side_by_side_on_the_real_model(smollm2):
     assert i4["engine"][512] == i4["kvlab"][512] == [1, 1], "both retrieve the passkey at 512 tokens in INT4"
 
 
+@pytest.mark.slow
+def test_hqq_side_by_side_on_the_real_model(smollm2):
+    """The real QuantizedCache with the HQQ backend, live, beside the same kvlab presets."""
+    pytest.importorskip("hqq", reason="hqq is not installed")
+    model, tok = smollm2
+    r = engines.quanto_side_by_side(model, tok, lengths=(512,), trials=1, new_tokens=6, backend="hqq")
+    i4, i2 = r["hqq-int4"], r["hqq-int2"]
+    assert i4["kvlab_format"] == "hf-int4" and i2["kvlab_format"] == "hf-int2"
+    assert i4["engine"][512] == [1, 1], "HQQ at 4 bits retrieves the 512-token passkey"
+    assert 0 <= i4["mean_kl"] < i2["mean_kl"], "2-bit HQQ should sit further from kvlab's emulation than 4-bit"
+
+
 def test_quanto_arguments(smollm2):
     model, tok = smollm2
     with pytest.raises(ValueError, match="nbits must be one of"):
         engines.quanto_cache(model, 3)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        engines.quanto_cache(model, 4, backend="bitsandbytes")
     with pytest.raises(ValueError, match="trials"):
         engines.quanto_side_by_side(model, tok, trials=0)
     with pytest.raises(ValueError, match="lengths"):

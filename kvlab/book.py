@@ -1,0 +1,190 @@
+"""The chapters as a static HTML book: ``python -m kvlab.book OUT`` (``make book``).
+
+Each notebook is executed (``nbclient``, as CI does) and exported with ``nbconvert`` to one page, with
+a contents page beside them. The export is made to read without a kernel or a network:
+
+* plotly figures are stored by the chapters as plotly JSON only; each becomes an interactive HTML
+  figure drawn by one copy of ``plotly.min.js`` that ships with the ``plotly`` package and is copied
+  next to the pages;
+* widgets become the static snapshot that :mod:`kvlab.widgets` puts beside each one (its figures
+  and tables as they were when the cell ran, and a note to open the notebook to move the controls);
+* cells tagged ``hide-input`` (the chapters' prose-with-numbers and guard cells) show only their output.
+
+A notebook that fails to execute fails the build with the cell and its traceback: the book build is
+also how ``make test`` executes the chapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from .paths import ROOT
+
+NOTEBOOKS_DIR = ROOT / "notebooks"
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+HIDE_INPUT = "hide-input"
+
+
+def chapters(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
+    """The chapter notebooks in reading order (their file names start with the chapter number)."""
+    found = sorted(Path(folder).glob("[0-9][0-9]_*.ipynb"))
+    if not found:
+        raise FileNotFoundError(f"no chapter notebooks (NN_name.ipynb) in {folder}")
+    return found
+
+
+def title(nb) -> str:
+    """The first Markdown heading of a notebook, without its '#'s."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("#").strip()
+    return "Untitled"
+
+
+def execute(path: Path, timeout: int = 900):
+    """Run every cell of one notebook in a fresh kernel, in the notebook's folder; return the executed notebook."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+                   store_widget_state=False).execute()
+    return nb
+
+
+def prepare(nb) -> dict:
+    """Make an executed notebook read without a kernel: plotly JSON -> HTML, widgets -> their snapshots.
+
+    Returns counts: ``figures`` (plotly figures now drawn by the page, widget snapshots included)
+    and ``widgets`` (widgets replaced by a snapshot).
+    """
+    import plotly.io as pio
+
+    counts = {"figures": 0, "widgets": 0}
+    nb.metadata.pop("widgets", None)  # no widget state: the page must not try to load a widget manager
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if HIDE_INPUT in cell.metadata.get("tags", []):
+            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if PLOTLY_MIME in data:
+                fig = pio.from_json(_json(data.pop(PLOTLY_MIME)))
+                data["text/html"] = pio.to_html(fig, include_plotlyjs=False, full_html=False,
+                                                config={"responsive": True})
+                counts["figures"] += 1
+            elif WIDGET_MIME in data:
+                data.pop(WIDGET_MIME)
+                if "text/html" in data:
+                    counts["widgets"] += 1
+                    counts["figures"] += data["text/html"].count("Plotly.newPlot")
+                else:  # a widget kvlab did not make: say so instead of printing its repr
+                    data.pop("text/plain", None)
+                    data["text/html"] = ("<p class='kvlab-snapshot-note'>An interactive widget is here: open the "
+                                         "notebook in JupyterLab (<code>make lab</code>) to use it.</p>")
+    return counts
+
+
+def _json(value) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+PAGE_CSS = """
+body { max-width: 60rem; margin: 0 auto; padding: 0 1rem; }
+nav.kvlab-book { display: flex; justify-content: space-between; padding: 0.75rem 0; border-bottom: 1px solid #ddd;
+                 font-family: system-ui, sans-serif; }
+nav.kvlab-book.bottom { border-top: 1px solid #ddd; border-bottom: none; }
+.kvlab-snapshot-note { color: #555; font-style: italic; }
+"""
+
+
+def _nav(prev: tuple[str, str] | None, nxt: tuple[str, str] | None, cls: str = "") -> str:
+    left = f"<a href='{prev[0]}'>&larr; {html.escape(prev[1])}</a>" if prev else "<span></span>"
+    right = f"<a href='{nxt[0]}'>{html.escape(nxt[1])} &rarr;</a>" if nxt else "<span></span>"
+    return f"<nav class='kvlab-book {cls}'>{left}<a href='index.html'>Contents</a>{right}</nav>"
+
+
+def export(nb, page_title: str, prev=None, nxt=None) -> str:
+    """One chapter page: nbconvert's lab template, hidden inputs removed, plotly.js from the page's folder."""
+    from nbconvert import HTMLExporter
+    from traitlets.config import Config
+
+    c = Config()
+    c.TagRemovePreprocessor.enabled = True
+    c.TagRemovePreprocessor.remove_input_tags = {HIDE_INPUT}
+    exporter = HTMLExporter(config=c, template_name="lab")
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": page_title}})
+    head = f"<script src='plotly.min.js'></script><style>{PAGE_CSS}</style>"
+    body = body.replace("</head>", head + "</head>", 1)
+    top, bottom = _nav(prev, nxt), _nav(prev, nxt, "bottom")
+    i = body.index(">", body.index("<body")) + 1
+    body = body[:i] + top + body[i:]
+    return body.replace("</body>", bottom + "</body>", 1)
+
+
+def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int = 900, progress: bool = True) -> dict:
+    """Execute and export every chapter into ``out`` (created); returns ``{page: counts}`` with ``index.html``."""
+    import plotly
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out {str(out)!r} exists and is not a folder")
+    notebooks = [Path(p) for p in (notebooks or chapters())]
+    for p in notebooks:
+        if not p.is_file():
+            raise FileNotFoundError(f"no notebook at {p}")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", out / "plotly.min.js")
+    executed, report = [], {}
+    for p in notebooks:
+        t0 = time.perf_counter()
+        nb = execute(p, timeout=timeout)
+        counts = prepare(nb)
+        counts["seconds"] = round(time.perf_counter() - t0, 1)
+        executed.append((p, nb, title(nb)))
+        report[p.with_suffix(".html").name] = counts | {"title": title(nb), "notebook": p.name}
+        if progress:
+            print(f"  {p.name}: {counts['figures']} figures, {counts['widgets']} widget snapshots, "
+                  f"{counts['seconds']:.0f} s", file=sys.stderr, flush=True)
+    pages = [(p.with_suffix(".html").name, t) for p, _, t in executed]
+    for i, (_, nb, t) in enumerate(executed):
+        page = export(nb, t, pages[i - 1] if i else None, pages[i + 1] if i + 1 < len(pages) else None)
+        (out / pages[i][0]).write_text(page)
+    items = "\n".join(f"<li><a href='{name}'>{html.escape(t)}</a></li>" for name, t in pages)
+    (out / "index.html").write_text(
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvlab: KV-cache quantization, measured</title>"
+        f"<style>{PAGE_CSS} body {{ font-family: system-ui, sans-serif; }}</style></head><body>"
+        "<h1>kvlab: KV-cache quantization, measured</h1><p>The workbook's chapters, executed. Figures are "
+        "interactive; widgets are static snapshots (open the notebooks in JupyterLab, <code>make lab</code>, to "
+        f"move their controls).</p><ol>{items}</ol></body></html>")
+    return report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvlab.book", description="Execute the chapters into a static HTML book.")
+    p.add_argument("out", nargs="?", default=str(ROOT / "build" / "book"), help="folder to write (default build/book)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    p.add_argument("--only", nargs="+", type=Path, help="these notebooks instead of every chapter")
+    args = p.parse_args(argv)
+    try:
+        report = build(args.out, args.only, timeout=args.timeout)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvlab.book: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(report)} chapters to {args.out}/index.html")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

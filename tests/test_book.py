@@ -1,0 +1,100 @@
+"""The static HTML book (make book): every chapter executes, and every figure survives the export."""
+
+from __future__ import annotations
+
+import html
+import shutil
+
+import nbformat
+import pytest
+
+from kvlab import book
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_prepare_turns_plotly_and_widgets_into_static_html():
+    import plotly.graph_objects as go
+
+    nb = nbformat.v4.new_notebook()
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
+    cell = nbformat.v4.new_code_cell("fig", metadata={"tags": ["hide-input"]})
+    cell.outputs = [
+        nbformat.v4.new_output("display_data", data={book.PLOTLY_MIME: fig.to_plotly_json()}),
+        nbformat.v4.new_output("display_data", data={book.WIDGET_MIME: {"model_id": "x"}, "text/plain": "VBox()",
+                                                     "text/html": "<div>snapshot <script>Plotly.newPlot(1)</script></div>"}),
+        nbformat.v4.new_output("display_data", data={book.WIDGET_MIME: {"model_id": "y"}, "text/plain": "Button()"}),
+    ]
+    nb.cells = [nbformat.v4.new_markdown_cell("# Chapter 9 · Test"), cell]
+    nb.metadata["widgets"] = {"state": {}}
+    counts = book.prepare(nb)
+    assert counts == {"figures": 2, "widgets": 1}
+    a, b, c = (o["data"] for o in cell.outputs)
+    assert "Plotly.newPlot" in a["text/html"] and book.PLOTLY_MIME not in a
+    assert book.WIDGET_MIME not in b and "snapshot" in b["text/html"]
+    assert "open the notebook" in c["text/html"] and "text/plain" not in c
+    assert "widgets" not in nb.metadata and book.title(nb) == "Chapter 9 · Test"
+    page = book.export(nb, "Test")
+    assert "plotly.min.js" in page and "Contents" in page
+    assert 'hl-ipython3' not in page, "the hide-input cell's code should be gone from the page"
+
+
+def test_build_refuses_bad_paths(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a folder"):
+        book.build(tmp_path / "file", [])
+    with pytest.raises(FileNotFoundError, match="no notebook"):
+        book.build(tmp_path / "out", [tmp_path / "missing.ipynb"])
+    with pytest.raises(FileNotFoundError, match="no chapter notebooks"):
+        book.chapters(tmp_path)
+
+
+@pytest.mark.slow
+def test_every_chapter_executes_into_the_book(built_book):
+    out, report = built_book
+    chapters = book.chapters()
+    assert sorted(report) == sorted(p.with_suffix(".html").name for p in chapters)
+    index = (out / "index.html").read_text()
+    for page, r in report.items():
+        text = (out / page).read_text()
+        assert f"href='{page}'" in index, f"the contents page should link {page}"
+        assert "Traceback (most recent call last)" not in text, f"{page} shows a traceback"
+        assert text.count("Plotly.newPlot") >= r["figures"], page
+        nb = nbformat.read(book.NOTEBOOKS_DIR / r["notebook"], 4)
+        for cell in nb.cells:
+            if cell.cell_type == "code" and book.HIDE_INPUT in cell.metadata.get("tags", []):
+                first = cell.source.strip().splitlines()[0]
+                assert html.escape(first) not in text, f"{page}: a hide-input cell's code is visible: {first!r}"
+    assert (out / "plotly.min.js").stat().st_size > 1_000_000
+    figures = {p: r["figures"] for p, r in report.items()}
+    assert all(n > 0 for p, n in figures.items() if not p.startswith("00_")), f"a chapter without figures: {figures}"
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make browser-deps)")
+def test_the_book_shows_every_figure_in_a_browser(built_book):
+    """Each page, opened from disk with no kernel and no network, draws every figure it promises."""
+    from playwright.sync_api import sync_playwright
+
+    out, report = built_book
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            for page_name, r in report.items():
+                page = browser.new_page(viewport={"width": 1200, "height": 900})
+                errors = []
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                page.goto((out / page_name).as_uri())
+                if r["figures"]:
+                    page.wait_for_function(f"document.querySelectorAll('.plotly-graph-div .main-svg').length >= "
+                                           f"{r['figures']}", timeout=60_000)
+                drawn = page.evaluate("document.querySelectorAll('.plotly-graph-div .main-svg').length")
+                divs = page.evaluate("document.querySelectorAll('.plotly-graph-div').length")
+                assert divs == r["figures"], f"{page_name}: {divs} figure divs, expected {r['figures']}"
+                assert drawn >= r["figures"], f"{page_name}: only {drawn} drawn of {r['figures']}"
+                assert not [e for e in errors if "Plotly" in e or "plotly" in e], f"{page_name}: {errors}"
+                page.close()
+        finally:
+            browser.close()
