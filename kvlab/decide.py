@@ -1,0 +1,171 @@
+"""Choosing a KV format for a server: what each format buys, what it risks, and how to switch to it.
+
+:func:`options` puts the workbook's measurements into one row per format for a given model, GPU,
+context and concurrency:
+
+* **what it buys** (chapter 1 and 3): cache bytes, whether the load fits, the most sequences that fit
+  at this context, and a whole-model decode step from a roofline with the weights and the KV cache
+  read together: ``time = max(bytes read / bandwidth, FLOPs / peak)`` for one step of the whole batch.
+  A format cannot speed up the part of the step that reads weights, so its gain shrinks when the
+  weights dominate (small batch, short context) and grows when the cache does.
+* **what it risks** (chapter 4): passkey exact match measured on SmolLM2-135M-Instruct at each length
+  of the shipped sweep, and the perplexity cost, with the caveat that this is one small model.
+* **how to switch** (``kvlab formats --engines``): each engine's flag for the format, from its docs.
+* **what to run first**: the ``kvlab niah --endpoint`` command for the context you serve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import budget as B
+from .formats import engine_options, get_format
+
+DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "kivi-4", "q4_0", "int4_tensor")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One decode step of the whole model for ``batch`` sequences of ``context`` tokens on one GPU."""
+
+    weights_bytes: float
+    cache_bytes: float
+    flops: float
+    seconds: float
+    bound: str  # "memory" or "compute"
+
+    @property
+    def cache_share(self) -> float:
+        """The fraction of the bytes read that is KV cache."""
+        return self.cache_bytes / (self.cache_bytes + self.weights_bytes)
+
+
+def step_time(model, batch: int, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
+              tp: int = 1, mbu: float = 1.0, mfu: float = 1.0) -> StepTime:
+    """Roofline of one decode step: every weight and every sequence's cache read once, per GPU.
+
+    FLOPs: 2 per parameter per sequence for the matmuls, plus attention's 4 per cached element
+    per query head (q.k and p.v). ``mbu`` and ``mfu`` scale peak bandwidth and FLOPs (1.0: the
+    roofline itself; real kernels reach a fraction of it, which moves every format alike).
+    """
+    for name, v in (("mbu", mbu), ("mfu", mfu)):
+        if not isinstance(v, int | float) or not 0 < v <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+    g = B.get_gpu(gpu)
+    shape = B.load_shape(model)
+    w = B.weights_bytes(model, weights_dtype) / tp
+    cache = B.budget(model, batch, context, kv_format, tp=tp).cache_bytes_per_gpu
+    layer = next((x for x in shape.layers if x.kv_heads), shape.layers[0])
+    attn = 4 * batch * context * (layer.head_dim or layer.latent_dim) * max(shape.q_heads, 1) * shape.num_layers
+    flops = (2 * shape.num_parameters * batch + attn) / tp
+    t_mem = (w + cache) / (g.bandwidth_bytes_per_s * mbu)
+    t_cmp = flops / (g.peak_bf16_flops * mfu) if g.peak_bf16_flops else 0.0
+    return StepTime(w, cache, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute")
+
+
+def _quality(sweep: dict | None, fmt: str, context: int) -> dict:
+    """Chapter 4's measurements for ``fmt``: exact match at the sweep's lengths, and where ``context`` falls."""
+    if sweep is None or fmt not in sweep.get("formats", {}):
+        return {"measured": False}
+    from .evals import ladder, quality_by_length
+
+    q = quality_by_length(sweep, [fmt])[fmt]
+    lengths = sorted(n for n, v in q.items() if v is not None)
+    rows = {r["kv_format"]: r for r in ladder(sweep, short=min(lengths), long_min=max(lengths))}
+    within = [n for n in lengths if n >= context]
+    ref = quality_by_length(sweep, ["fp32"])["fp32"] if "fp32" in sweep["formats"] else {}
+    return {"measured": True, "exact_match": q, "at_or_above_context": within[0] if within else None,
+            "longest_measured": max(lengths), "ppl_increase": rows[fmt]["ppl_increase"], "reference_curve": ref}
+
+
+def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = "bf16", formats=DEFAULT_FORMATS,
+            tp: int = 1, memory_utilization: float = 0.9, sweep: dict | None = None, endpoint_hint: str = "URL") -> list[dict]:
+    """One row per format for serving ``concurrency`` sequences of ``context`` tokens (see the module docstring).
+
+    ``sweep`` is chapter 4's ``eval_sweep.json`` (``kvlab.evals.load_sweep()``); without it the
+    quality columns say "not measured". Rows keep the order of ``formats``; the first is the baseline
+    the speed-ups are measured against.
+    """
+    context = B._positive_int("context", context)
+    concurrency = B._positive_int("concurrency", concurrency)
+    formats = [get_format(f).name for f in formats]
+    if not formats:
+        raise ValueError("give at least one KV format")
+    f = B.fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+    if not f.weights_fit:
+        raise ValueError(f"{B.load_shape(model).name} in {weights_dtype} does not fit on {tp} x {gpu}: "
+                         f"{f.weights_bytes_per_gpu / 1e9:.0f} GB of weights per GPU, {f.usable_bytes_per_gpu / 1e9:.0f} GB usable")
+    base = None
+    rows = []
+    for name in formats:
+        b = B.budget(model, concurrency, context, name, tp=tp)
+        fits = b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu
+        most = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+        batch = min(concurrency, most) if most else 0
+        st = step_time(model, batch, context, name, gpu, weights_dtype, tp=tp) if batch else None
+        tps = batch / st.seconds if st else 0.0
+        if base is None:
+            base = tps
+        try:
+            engines = {k: v for k, v in engine_options(name).items() if v}
+        except ValueError:  # not a preset: no engine table row
+            engines = {}
+        rows.append({
+            "kv_format": name, "bits_per_element": get_format(name).bits_per_element(
+                max(x.head_dim or x.latent_dim for x in B.load_shape(model).layers)),
+            "cache_gb_per_gpu": b.cache_bytes_per_gpu / 1e9, "fits": fits, "max_concurrency": most,
+            "running": batch, "step_ms": st.seconds * 1e3 if st else None, "bound": st.bound if st else None,
+            "cache_share": st.cache_share if st else None, "tokens_per_s": tps,
+            "speedup": tps / base if base else None, "engines": engines,
+            "quality": _quality(sweep, name, context),
+            "eval": (f"kvlab niah --endpoint {endpoint_hint} --lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 "
+                     f"--haystack prose"),
+        })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The decision table as Markdown (numbers rounded for reading)."""
+    head = ("| format | bits | cache / GPU | fits | most sequences | step | tokens/s | vs first | "
+            "passkey (SmolLM2, longest) | perplexity | engines |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    out = [head]
+    for r in rows:
+        q = r["quality"]
+        if q["measured"]:
+            em = q["exact_match"][q["longest_measured"]]
+            qual, ppl = f"{em:.0%} at {q['longest_measured']:,}", f"{q['ppl_increase']:+.1%}"
+        else:
+            qual, ppl = "not measured", "—"
+        eng = "; ".join(f"{k}: `{v}`" for k, v in r["engines"].items()) or "none documented"
+        step = f"{r['step_ms']:.1f} ms" if r["step_ms"] is not None else "—"
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "—"
+        out.append(f"| `{r['kv_format']}` | {r['bits_per_element']:.2f} | {r['cache_gb_per_gpu']:.1f} GB | "
+                   f"{'yes' if r['fits'] else '**no**'} | {r['max_concurrency']:,} | {step} | {r['tokens_per_s']:,.0f} | "
+                   f"{sp} | {qual} | {ppl} | {eng} |")
+    return "\n".join(out)
+
+
+def throughput_curves(model, gpu, context: int, formats=DEFAULT_FORMATS, concurrencies=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                      *, weights_dtype: str = "bf16", tp: int = 1, memory_utilization: float = 0.9) -> dict[str, list]:
+    """Roofline tokens/s at each concurrency, per format; ``None`` where that many sequences do not fit."""
+    out = {}
+    for name in [get_format(f).name for f in formats]:
+        most = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+        out[name] = [n / step_time(model, n, context, name, gpu, weights_dtype, tp=tp).seconds if n <= most else None
+                     for n in concurrencies]
+    return out
+
+
+def shortlist(rows: list[dict], reference: str = "fp32", tolerance: float = 0.12, max_ppl: float = 0.01) -> list[str]:
+    """Formats an engine offers whose measured passkey stays within ``tolerance`` of ``reference`` at every
+    measured length and whose perplexity cost is under ``max_ppl`` (chapter 4's sweep), in the rows' order."""
+    picks = []
+    for r in rows:
+        q = r["quality"]
+        if not (q["measured"] and r["engines"]):
+            continue
+        ref = q.get("reference_curve") or {}
+        close = all(v is not None and (ref.get(n) is None or v >= ref[n] - tolerance) for n, v in q["exact_match"].items())
+        if close and q["ppl_increase"] < max_ppl:
+            picks.append(r["kv_format"])
+    return picks

@@ -1,0 +1,48 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab import decide, evals
+
+
+def test_step_time_is_a_roofline():
+    a = decide.step_time("llama-3.1-8b", 1, 1024, "bf16", "H100-80GB")
+    b = decide.step_time("llama-3.1-8b", 1, 1024, "int4", "H100-80GB")
+    assert a.bound == "memory" and a.weights_bytes == b.weights_bytes and b.cache_bytes < a.cache_bytes / 3
+    assert a.seconds == pytest.approx((a.weights_bytes + a.cache_bytes) / 3.35e12)
+    big = decide.step_time("llama-3.1-8b", 4096, 16, "bf16", "H100-80GB")
+    assert big.bound == "compute", "thousands of short sequences at once turn the step compute-bound"
+    with pytest.raises(ValueError, match="mbu"):
+        decide.step_time("llama-3.1-8b", 1, 1024, mbu=0)
+
+
+def test_options_rows_and_shortlist():
+    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, formats=["bf16", "fp8_e4m3", "int4_tensor"],
+                          sweep=evals.load_sweep())
+    by = {r["kv_format"]: r for r in rows}
+    assert by["bf16"]["speedup"] == 1.0 and by["fp8_e4m3"]["max_concurrency"] >= 2 * by["bf16"]["max_concurrency"] - 1
+    assert "vLLM" in by["fp8_e4m3"]["engines"] and by["int4_tensor"]["engines"] == {}
+    assert decide.shortlist(rows) == ["bf16", "fp8_e4m3"]
+    assert "| `fp8_e4m3` |" in decide.markdown(rows)
+    plain = decide.options("llama-3.1-8b", "H100-80GB", 1024, 1, formats=["bf16"])
+    assert plain[0]["quality"] == {"measured": False} and "not measured" in decide.markdown(plain)
+
+
+def test_options_refuse_bad_input():
+    with pytest.raises(ValueError, match="does not fit"):
+        decide.options("llama-3.1-70b", "L4", 1024, 1)
+    with pytest.raises(ValueError, match="concurrency"):
+        decide.options("llama-3.1-8b", "H100-80GB", 1024, 0)
+    with pytest.raises(ValueError, match="unknown GPU"):
+        decide.options("llama-3.1-8b", "H9000", 1024, 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 1 << 20), st.integers(1, 512), st.sampled_from(["bf16", "fp8_e4m3", "int4", "kivi-2"]))
+def test_any_load_gives_finite_non_negative_rows(context, concurrency, fmt):
+    for r in decide.options("llama-3.1-8b", "H200", context, concurrency, formats=["bf16", fmt]):
+        assert r["max_concurrency"] >= 0 and r["cache_gb_per_gpu"] >= 0 and r["tokens_per_s"] >= 0
+        assert r["running"] <= concurrency and (r["step_ms"] is None or math.isfinite(r["step_ms"]))
+        assert r["fits"] == (r["max_concurrency"] >= concurrency)
