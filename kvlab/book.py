@@ -134,7 +134,12 @@ def export(nb, page_title: str, prev=None, nxt=None) -> str:
 
 
 def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int = 900, progress: bool = True) -> dict:
-    """Execute and export every chapter into ``out`` (created); returns ``{page: counts}`` with ``index.html``."""
+    """Execute and export every chapter into ``out`` (created); returns ``{page: counts}``.
+
+    Writes ``index.html``, one page a chapter, ``plotly.min.js``, and ``executed/`` with each notebook
+    as it ran (outputs included).
+    """
+    import nbformat
     import plotly
 
     out = Path(out)
@@ -150,6 +155,8 @@ def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int 
     for p in notebooks:
         t0 = time.perf_counter()
         nb = execute(p, timeout=timeout)
+        (out / "executed").mkdir(exist_ok=True)
+        nbformat.write(nb, out / "executed" / p.name)  # as the chapter ran, outputs included (for reading and debugging)
         counts = prepare(nb)
         counts["seconds"] = round(time.perf_counter() - t0, 1)
         executed.append((p, nb, title(nb)))

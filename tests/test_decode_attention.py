@@ -161,3 +161,28 @@ def test_fp8_bit_conversion_is_exact_for_every_byte():
         assert torch.equal(torch.isnan(out), nan), f"{dt}: NaN codes differ"
         assert torch.equal(out[~nan], want[~nan]), f"{dt}: values differ"
         assert torch.equal(torch.signbit(out[~nan]), torch.signbit(want[~nan])), f"{dt}: signed zeros differ"
+
+
+def test_interpreter_is_chosen_even_when_triton_is_imported_early():
+    """Loading a transformers config imports triton (through torch ops) before kvlab.kernels: the kernels must still
+    run under the interpreter on a CPU (chapter 3 computes a roofline from a config before it runs the kernel)."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the kernels run natively")
+    code = (
+        "import sys, torch\n"
+        "from kvlab import roofline\n"
+        "roofline.decode_step('llama-3.1-8b', 1, 1024, 'bf16', gpu='H200')\n"
+        "from kvlab.kernels.decode_attention import decode_attention, decode_attention_reference\n"
+        "from kvlab.storage import KVStore\n"
+        "from kvlab.formats import get_format\n"
+        "f = get_format('int8'); k, v, q = torch.randn(1, 1, 40, 64), torch.randn(1, 1, 40, 64), torch.randn(1, 2, 64)\n"
+        "ks, vs = KVStore.from_tensor(k, f.key), KVStore.from_tensor(v, f.value); lens = torch.tensor([40], dtype=torch.int32)\n"
+        "print(float((decode_attention(q, ks, vs, lens) - decode_attention_reference(q, ks, vs, lens)).abs().max()))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert float(r.stdout.strip().splitlines()[-1]) < 1e-3
