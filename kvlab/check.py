@@ -266,6 +266,23 @@ class Exercise:
         return Feedback(False, f"{self.name}, case {bad}: {_difference(got[bad], want[bad], self.atol)}")
 
 
+class Solution:
+    """A worked solution behind a reveal: ``Solution(fn)`` shows its source folded ("Show the solution")."""
+
+    def __init__(self, fn: Callable, title: str = "Show the solution"):
+        import inspect
+
+        if not callable(fn):
+            raise ValueError(f"Solution takes a function, got {type(fn).__name__}")
+        self.source, self.title = inspect.getsource(fn), title
+
+    def _repr_html_(self):
+        import html
+
+        return (f"<details class='kvlab-solution'><summary>{html.escape(self.title)}</summary>"
+                f"<pre><code>{html.escape(self.source)}</code></pre></details>")
+
+
 def claims(checks: dict[str, object], *, show: bool = True) -> None:
     """Check every claim of a paragraph; raise ``AssertionError`` naming each one the data no longer supports.
 

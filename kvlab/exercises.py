@@ -20,6 +20,22 @@ def _cases_rows(seed=0):
             (torch.tensor([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0]]),)]
 
 
+# ----- chapter 1: bytes per token of a plain (non-MLA, non-windowed) cache ---------------------
+def bytes_per_token(layers, kv_heads, head_dim, bits):
+    """K and V, every layer, every KV head: ``layers * 2 * kv_heads * head_dim * bits / 8``."""
+    return layers * 2 * kv_heads * head_dim * bits / 8
+
+
+def bytes_per_token_exercise() -> Exercise:
+    return Exercise(
+        "bytes_per_token", bytes_per_token,
+        [(32, 8, 128, 16), (80, 8, 128, 8), (28, 4, 128, 4.5), (1, 1, 64, 16)],
+        mistakes={"Both K and V are cached: multiply by 2.": lambda L, h, d, b: L * h * d * b / 8,
+                  "`bits` is in bits; divide by 8 for bytes.": lambda L, h, d, b: L * 2 * h * d * b,
+                  "Every layer has its own cache: multiply by layers.": lambda L, h, d, b: 2 * h * d * b / 8},
+    )
+
+
 # ----- INT8, symmetric, one scale per token (row) --------------------------------------------
 
 

@@ -149,6 +149,10 @@ def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = t
     if folder.is_dir() and not any((folder / f).exists() for f in _TOKENIZER_FILES):
         raise ValueError(f"could not load model {str(src)!r}: the folder has no tokenizer "
                          f"(none of {', '.join(_TOKENIZER_FILES)})")
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in every chapter's output
     try:
         tok = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()
@@ -157,6 +161,9 @@ def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = t
             f"could not load model {str(src)!r}: {str(e).splitlines()[0]} "
             "(a hub name needs network access; offline, pass a local folder)"
         ) from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     from .cache import use_kvlab_attention
 
     use_kvlab_attention(model)  # SDPA, except decode steps over a KVQuantCache (see kvlab.cache)

@@ -180,6 +180,7 @@ def llama_server(args) -> dict:
             p_.terminate()
             p_.wait(timeout=30)
     doc = json.loads(Path(out).read_text())
+    Path(out).with_suffix(".requests.jsonl").unlink(missing_ok=True)  # the run's journal: not data to ship
     doc |= {"what": "two llama.cpp servers (llama-cpp-python's OpenAI-compatible server) on SmolLM2-135M-Instruct's "
                     "GGUF, K/V cache f16 (teacher) and q4_0 (student), flash attention on, one thread each; "
                     "compared with `kvlab niah --endpoint URL --compare URL2` on chapter 4's passkey prompts",

@@ -97,3 +97,17 @@ def test_llamacpp_beside_kvlab_joins_the_same_cells():
     sweep["formats"]["q4_0"]["passkey"] = sweep["formats"]["q4_0"]["passkey"][2:]
     with pytest.raises(ValueError, match="share no"):
         engines.llamacpp_vs_kvlab(llama, sweep)
+
+
+def test_shipped_llamacpp_server_comparison_has_its_schema():
+    from kvlab import endpoint
+
+    doc = endpoint.load(RESULTS_DIR / "engines_llamacpp_server.json")
+    res = endpoint.results(doc)
+    assert set(res) == {doc["teacher"], doc["student"]} == set(doc["labels"])
+    assert {"versions", "machine", "date", "seconds", "settings"} <= set(doc)
+    assert "journal" not in doc and not (RESULTS_DIR / "engines_llamacpp_server.requests.jsonl").exists()
+    n = len(doc["settings"]["lengths"]) * len(doc["settings"]["depths"]) * doc["settings"]["trials"]
+    for r in res.values():
+        assert sum(x["trials"] for x in r.rows) == n, "every prompt answered"
+    assert doc["agreement"]["prompts"] == n and "top-k" in doc["agreement"]["caveat"]
