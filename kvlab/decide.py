@@ -146,13 +146,14 @@ def markdown(rows: list[dict]) -> str:
 
 
 def throughput_curves(model, gpu, context: int, formats=DEFAULT_FORMATS, concurrencies=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-                      *, weights_dtype: str = "bf16", tp: int = 1, memory_utilization: float = 0.9) -> dict[str, list]:
-    """Roofline tokens/s at each concurrency, per format; ``None`` where that many sequences do not fit."""
+                      *, weights_dtype: str = "bf16", tp: int = 1, memory_utilization: float = 0.9) -> dict[str, tuple]:
+    """Roofline tokens/s per format: ``{format: (xs, ys)}`` at each concurrency that fits, plus the point
+    where the pool is full (the most sequences that fit), so each curve ends where its format runs out."""
     out = {}
     for name in [get_format(f).name for f in formats]:
         most = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
-        out[name] = [n / step_time(model, n, context, name, gpu, weights_dtype, tp=tp).seconds if n <= most else None
-                     for n in concurrencies]
+        xs = sorted({n for n in concurrencies if n <= most} | ({most} if most else set()))
+        out[name] = (xs, [n / step_time(model, n, context, name, gpu, weights_dtype, tp=tp).seconds for n in xs])
     return out
 
 

@@ -46,3 +46,10 @@ def test_any_load_gives_finite_non_negative_rows(context, concurrency, fmt):
         assert r["max_concurrency"] >= 0 and r["cache_gb_per_gpu"] >= 0 and r["tokens_per_s"] >= 0
         assert r["running"] <= concurrency and (r["step_ms"] is None or math.isfinite(r["step_ms"]))
         assert r["fits"] == (r["max_concurrency"] >= concurrency)
+
+
+def test_throughput_curves_end_where_the_pool_is_full():
+    curves = decide.throughput_curves("llama-3.1-8b", "H100-80GB", 32768, ["bf16", "int4"])
+    for f, (xs, ys) in curves.items():
+        most = decide.B.max_concurrency("llama-3.1-8b", 32768, f, "H100-80GB")
+        assert xs[-1] == most and len(xs) == len(ys) and ys == sorted(ys)
