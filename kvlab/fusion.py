@@ -18,9 +18,28 @@ events of ``torch.profiler`` (``profile_memory=True``) on a CPU.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable
 
 import torch
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Silence file descriptor 2 for a moment: torch's CPU profiler prints "USDT ... profiler_start/stop"
+    from C++ straight to it, which would land in every chapter that measures memory."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def peak_memory(fn: Callable, *args, device: str | torch.device | None = None, **kwargs):
@@ -41,7 +60,7 @@ def peak_memory(fn: Callable, *args, device: str | torch.device | None = None, *
         return out, torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args, **kwargs)
     live = peak = 0
     # Allocations are charged to the op that made them (its *self* usage); frees appear as
