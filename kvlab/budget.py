@@ -163,15 +163,26 @@ def _config_from_dict(d: dict):
         raise ValueError(f"transformers rejects this config: {msg}") from None
 
 
+# Far above any real model (the largest published have a few hundred layers and heads, head_dim <= 1k):
+# a config past these is a typo or garbage, and a per-layer table of 1e308 layers would never finish.
+_CONFIG_LIMITS = {"num_hidden_layers": 100_000, "n_layer": 100_000, "num_layers": 100_000,
+                  "num_attention_heads": 1 << 20, "n_head": 1 << 20, "num_key_value_heads": 1 << 20}
+_CONFIG_LIMIT = 1 << 40  # any other size (hidden_size, head_dim, window, ranks)
+
+
 def _field(cfg, name: str, keys: tuple[str, ...], *, required: bool = True, zero_ok: bool = False):
-    """The first of ``keys`` the config sets (not None), checked to be a positive integer."""
+    """The first of ``keys`` the config sets (not None), checked to be a positive integer of a sane size."""
     for k in keys:
         v = getattr(cfg, k, None)
         if v is not None:
             try:
-                return _positive_int(k, v, zero_ok=zero_ok)
+                v = _positive_int(k, v, zero_ok=zero_ok)
             except ValueError as e:
                 raise ValueError(f"config for {name!r}: {e}") from None
+            if v > _CONFIG_LIMITS.get(k, _CONFIG_LIMIT):
+                raise ValueError(f"config for {name!r}: {k} = {v} is larger than any model "
+                                 f"(at most {_CONFIG_LIMITS.get(k, _CONFIG_LIMIT):,})")
+            return v
     if required:
         raise ValueError(f"config for {name!r} lacks {' / '.join(keys)}")
     return None

@@ -264,3 +264,11 @@ def test_binary_config_and_non_finite_sizes(tmp_path):
             B.budget("llama-3.1-8b", bad, 10)
         with pytest.raises(ValueError, match="context must be a finite integer"):
             B.max_concurrency("llama-3.1-8b", bad)
+
+
+def test_absurd_sizes_are_refused_not_looped_over():
+    """1e308 layers is an integer-valued float: it must be refused, not turned into a 1e308-entry layer table."""
+    with pytest.raises(ValueError, match="larger than any model"):
+        B.budget({"num_hidden_layers": 1e308, "num_attention_heads": 1e308, "kv_lora_rank": 4096}, 1, 1, "int4")
+    with pytest.raises(ValueError, match="larger than any model"):
+        B.budget(GOOD | {"head_dim": 2**60}, 1, 1)
