@@ -373,13 +373,25 @@ def hit_rate_vs_pool(requests: list[Request], model, gpu, formats, pool_gib: lis
 
 def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0, weights_dtype="bf16",
                block_size=16, pool_bytes: int | None = None, quality: dict[str, float] | None = None,
-               threshold: float = 0.9) -> list[dict]:
+               threshold: float = 0.9, reference: dict | float | None = None) -> list[dict]:
     """One row per format: hit rate, recomputed tokens, concurrency, throughput, $ per million output tokens.
 
     ``quality`` maps a format to a score in [0, 1] measured elsewhere (chapter 4's long-context
     exact match), or to ``{context_length: score}`` (:func:`quality_by_length`); scores below
-    ``threshold`` are flagged ``ok=False`` (per length in the second case).
+    ``threshold`` are flagged ``ok=False`` (per length in the second case). With ``reference``
+    (full precision's score, or its ``{context_length: score}``) the bar is relative: a score
+    passes when it reaches ``threshold`` times the reference's, so the model's own misses are
+    not charged to the format.
     """
+    if not 0 <= threshold <= 1:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+
+    def bar(n=None):
+        if reference is None:
+            return threshold
+        ref = reference.get(n) if isinstance(reference, dict) else reference
+        return threshold if ref is None else threshold * ref
+
     rows = []
     for fmt in formats:
         r = simulate(requests, model, gpu, fmt, weights_dtype=weights_dtype, block_size=block_size,
@@ -387,9 +399,9 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0
         s = r.summary()
         q = None if quality is None else quality.get(str(fmt))
         if isinstance(q, dict):  # per context length: flag each length on its own
-            ok = {n: None if v is None else v >= threshold for n, v in q.items()}
+            ok = {n: None if v is None else v >= bar(n) - 1e-12 for n, v in q.items()}
         else:
-            ok = None if q is None else q >= threshold
+            ok = None if q is None else q >= bar() - 1e-12
         rows.append({"kv_format": str(fmt), "num_blocks": r.num_blocks, "hit_rate": s["hit_rate"],
                      "recomputed_tokens": s["prefill_tokens_computed"], "peak_concurrency": s["peak_concurrency"],
                      "throughput_tok_s": s["throughput_tok_s"], "usd_per_m_tokens": r.cost_per_million(gpu_hour_usd),

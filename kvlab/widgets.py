@@ -42,7 +42,9 @@ def snapshot_html(widget) -> str:
             for child in x.children:
                 walk(child)
         elif isinstance(x, w.ValueWidget) and getattr(x, "description", ""):
-            settings.append(f"{html.escape(x.description)} = <b>{html.escape(str(x.value))}</b>")
+            v = x.value
+            v = int(v) if isinstance(v, float) and v.is_integer() else v
+            settings.append(f"{html.escape(x.description)} = <b>{html.escape(str(v))}</b>")
 
     walk(widget)
     head = f"<p class='kvlab-snapshot-note'>{SNAPSHOT_NOTE}</p>"
@@ -112,7 +114,7 @@ class BudgetExplorer(_Panel):
         self.bar = go.FigureWidget(
             data=[go.Bar(name=n, x=[0], y=["per GPU"], orientation="h", marker_color=c)
                   for n, c in (("weights", "#636efa"), ("KV cache", "#ef553b"), ("free", "#c8d6c8"))],
-            layout=dict(barmode="stack", height=220, title="Memory per GPU (GiB)",
+            layout=dict(barmode="stack", height=220, title="Memory per GPU (GiB = 2^30 bytes; the dashed line is what the engine may use)",
                         xaxis_title="GiB", margin=dict(l=60, r=20, t=40, b=40)),
         )
         self.curve = go.FigureWidget(
@@ -147,6 +149,8 @@ class BudgetExplorer(_Panel):
             for trace, key in zip(self.bar.data, ("weights", "cache", "free")):
                 trace.x = [m[key]]
             self.bar.layout.xaxis.range = [0, max(m["capacity"], m["weights"] + m["cache"]) * 1.02]
+            self.bar.layout.shapes = [dict(type="line", x0=m["usable"], x1=m["usable"], y0=-0.45, y1=0.45,
+                                           line=dict(color="black", dash="dash", width=2))]
         key = (a["model"], a["gpu"], a["weights_dtype"], a["tp"])
         with self.curve.batch_update():
             if key != self._curve_key:  # the curves depend on these only, not on batch or context
@@ -388,7 +392,8 @@ class CostQualityTable(_Panel):
     cells under it turn red. ``quality`` is :func:`kvlab.evals.quality_by_length`'s mapping.
     """
 
-    def __init__(self, requests, model, gpu, formats, quality: dict, threshold: float = 0.9, gpu_hour_usd=3.0):
+    def __init__(self, requests, model, gpu, formats, quality: dict, threshold: float = 0.9, gpu_hour_usd=3.0,
+                 reference: dict | float | None = None):
         from .simulator import cost_table
 
         missing = [f for f in formats if all(v is None for v in quality.get(str(f), {}).values())]
@@ -397,8 +402,11 @@ class CostQualityTable(_Panel):
         if not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
         self._rows = lambda t: cost_table(requests, model, gpu, formats, quality=quality, threshold=t,
-                                          gpu_hour_usd=gpu_hour_usd)
-        self.threshold = w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05, description="min quality")
+                                          gpu_hour_usd=gpu_hour_usd, reference=reference)
+        self.relative = reference is not None
+        self.threshold = w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05,
+                                       description="min quality" + (" (x full precision)" if reference is not None else ""),
+                                       style={"description_width": "initial"})
         self.table = w.HTML()
         self.threshold.observe(self.update, names="value")
         self.update()

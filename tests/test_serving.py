@@ -234,3 +234,17 @@ def test_cost_split_separates_concurrency_from_hits():
     again = {r["kv_format"]: r for r in S.cost_split(reqs, "llama-3.1-8b", "L4", ["int4"], gpu_hour_usd=1.0)}
     assert again["int4"]["saving_shared"] == pytest.approx(rows["int4"]["saving_shared"])
     assert again["int4"]["usd_shared"] == pytest.approx(rows["int4"]["usd_shared"] / 3)
+
+
+def test_quality_bar_relative_to_full_precision():
+    reqs = S.rag(n=20, docs=5, doc_len=200, seed=3)
+    q = {"bf16": {512: 1.0, 8192: 0.8}, "int4_tensor": {512: 0.6, 8192: 0.36}}
+    ref = {512: 1.0, 8192: 0.8}
+    rows = {r["kv_format"]: r for r in S.cost_table(reqs, "llama-3.1-8b", "L4", ["bf16", "int4_tensor"], quality=q,
+                                                      threshold=0.9, reference=ref)}
+    assert rows["bf16"]["ok"] == {512: True, 8192: True}, "the model's own misses are not the format's"
+    assert rows["int4_tensor"]["ok"] == {512: False, 8192: False}
+    absolute = {r["kv_format"]: r for r in S.cost_table(reqs, "llama-3.1-8b", "L4", ["bf16"], quality=q, threshold=0.9)}
+    assert absolute["bf16"]["ok"][8192] is False
+    with pytest.raises(ValueError, match="threshold"):
+        S.cost_table(reqs, "llama-3.1-8b", "L4", ["bf16"], threshold=1.5)
