@@ -63,8 +63,8 @@ def step_time(model, batch: int, context: int, kv_format="bf16", gpu="H100-80GB"
     return StepTime(w, cache, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute")
 
 
-def _quality(sweep: dict | None, fmt: str, context: int) -> dict:
-    """Chapter 4's measurements for ``fmt``: exact match at the sweep's lengths, and where ``context`` falls."""
+def _quality(sweep: dict | None, fmt: str) -> dict:
+    """Chapter 4's measurements for ``fmt``: exact match at the sweep's lengths, perplexity cost, fp32's curve."""
     if sweep is None or fmt not in sweep.get("formats", {}):
         return {"measured": False}
     from .evals import ladder, quality_by_length
@@ -72,10 +72,8 @@ def _quality(sweep: dict | None, fmt: str, context: int) -> dict:
     q = quality_by_length(sweep, [fmt])[fmt]
     lengths = sorted(n for n, v in q.items() if v is not None)
     rows = {r["kv_format"]: r for r in ladder(sweep, short=min(lengths), long_min=max(lengths))}
-    within = [n for n in lengths if n >= context]
     ref = quality_by_length(sweep, ["fp32"])["fp32"] if "fp32" in sweep["formats"] else {}
-    return {"measured": True, "exact_match": q, "at_or_above_context": within[0] if within else None,
-            "longest_measured": max(lengths), "ppl_increase": rows[fmt]["ppl_increase"], "reference_curve": ref}
+    return {"measured": True, "exact_match": q, "longest_measured": max(lengths), "ppl_increase": rows[fmt]["ppl_increase"], "reference_curve": ref}
 
 
 def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = "bf16", formats=DEFAULT_FORMATS,
@@ -117,7 +115,7 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
             "running": batch, "step_ms": st.seconds * 1e3 if st else None, "bound": st.bound if st else None,
             "cache_share": st.cache_share if st else None, "tokens_per_s": tps,
             "speedup": tps / base if base else None, "engines": engines,
-            "quality": _quality(sweep, name, context),
+            "quality": _quality(sweep, name),
             "eval": (f"kvlab niah --endpoint {endpoint_hint} --lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 "
                      f"--haystack prose"),
         })

@@ -24,14 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import threading
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .evals import EvalResult, sweep_prompts
+from .evals import EvalResult, counts, sweep_prompts
 
 TOPK_CAVEAT = ("Servers return only the top-k log-probabilities of each step, so the KL is taken over the "
                "teacher's top-k tokens, renormalised; a token missing from the student's top-k gets the "
@@ -211,14 +211,12 @@ class Prompt:
     trial: int
     text: str
     answer: str
-    digest: str = field(default="")
-
-    def __post_init__(self):
-        self.digest = hashlib.sha1(self.text.encode()).hexdigest()[:16]
 
     @property
     def key(self) -> str:
-        return f"{self.task}/{self.length}/{self.depth:g}/{self.trial}/{self.digest}"
+        """Its cell and trial, and a hash of its text: a journal answer is reused only for the same prompt."""
+        digest = hashlib.sha1(self.text.encode()).hexdigest()[:16]
+        return f"{self.task}/{self.length}/{self.depth:g}/{self.trial}/{digest}"
 
 
 def ladder_prompts(tok, task: str = "passkey", lengths=(512, 2048), depths=(0.0, 0.5, 1.0), trials: int = 3,
@@ -288,7 +286,6 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
         ep.resolve_model()
     done = _journal(journal)
     todo = [(ep, p) for ep in endpoints for p in prompts if (ep.url, p.key) not in done]
-    lock = threading.Lock()
     k = top_logprobs or None
 
     def one(ep: Endpoint, p: Prompt) -> dict:
@@ -307,9 +304,8 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
         futures = [pool.submit(one, ep, p) for ep, p in todo]
         for fut in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc="requests"):
             rec = fut.result()
-            with lock:
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
+            fh.write(json.dumps(rec) + "\n")  # only this thread writes: the workers return their records
+            fh.flush()
             if not rec["error"]:
                 done[rec["endpoint"], rec["key"]] = rec
             else:
@@ -383,8 +379,8 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
            "errors": {u: [{"key": k, "error": r["error"]} for k, r in by[u].items() if r.get("error")] for u in urls},
            "length_check": {u: max((abs(r["prompt_tokens"] - r["length"]) for r in by[u].values()
                                     if isinstance(r.get("prompt_tokens"), int)), default=None) for u in urls},
-           "seconds_per_request": {u: _mean([r["seconds"] for r in by[u].values() if not r.get("error")
-                                             and isinstance(r.get("seconds"), int | float)]) for u in urls}}
+           "seconds_per_request": {u: _mean_or_none([r["seconds"] for r in by[u].values() if not r.get("error")
+                                                     and isinstance(r.get("seconds"), int | float)]) for u in urls}}
     if student_url:
         t, s = by[teacher_url], by[urls[1]]
         both = [k for k in t if k in s and not t[k].get("error") and not s[k].get("error")]
@@ -398,21 +394,18 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
             "prompts": len(ag), "mean_topk_kl": sum(a["kl"] for a in ag) / len(ag),
             "top1_agreement": sum(a["top1"] for a in ag) / len(ag),
             "identical_greedy": sum(a["identical"] for a in ag),
-            "median_first_divergence": _median([a["first_divergence"] for a in ag if a["first_divergence"] is not None]),
+            "median_first_divergence": _or_none(statistics.median, [a["first_divergence"] for a in ag
+                                                                     if a["first_divergence"] is not None]),
             "caveat": TOPK_CAVEAT}
     return doc
 
 
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
+def _or_none(f, xs: list):
+    return f(xs) if xs else None
 
 
-def _median(xs: list[int]) -> float | None:
-    xs = sorted(xs)
-    if not xs:
-        return None
-    m = len(xs) // 2
-    return float(xs[m]) if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+def _mean_or_none(xs: list[float]) -> float | None:
+    return _or_none(statistics.fmean, xs)
 
 
 def results(doc: dict) -> dict[str, EvalResult]:
@@ -426,7 +419,11 @@ def markdown(doc: dict) -> str:
     urls = list(res)
     lengths = sorted({n for r in res.values() for n in r.lengths})
     head = "| endpoint | " + " | ".join(f"{n} tokens" for n in lengths) + " |\n|---|" + "---|" * len(lengths)
-    rows = [f"| {u} | " + " | ".join(_cell(res[u], n) for n in lengths) + " |" for u in urls]
+    def cell(r: EvalResult, n: int) -> str:
+        c, t = counts(r.rows, length=n)
+        return f"{c}/{t}" if t else "—"
+
+    rows = [f"| {u} | " + " | ".join(cell(res[u], n) for n in lengths) + " |" for u in urls]
     out = head + "\n" + "\n".join(rows)
     if doc.get("student"):
         a = doc.get("agreement")
@@ -435,15 +432,6 @@ def markdown(doc: dict) -> str:
             out += (f" Over {a['prompts']} prompts: top-k KL {a['mean_topk_kl']:.4f} nats, top-1 agreement "
                     f"{a['top1_agreement']:.0%}, identical greedy text {a['identical_greedy']}.")
     return out
-
-
-def _cell(r: EvalResult, n: int) -> str:
-    try:
-        rows = [x for x in r.rows if x["length"] == n]
-        c, t = sum(x["correct"] for x in rows), sum(x["trials"] for x in rows)
-        return f"{c}/{t}" if t else "—"
-    except KeyError:
-        return "—"
 
 
 def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, max_windows: int = 4) -> float:

@@ -60,12 +60,10 @@ class _Panel:
         raise NotImplementedError
 
     def _ipython_display_(self):
-        from IPython.display import display
+        from .check import _show
 
         box = self.widget()
-        bundle = box._repr_mimebundle_()
-        bundle = bundle[0] if isinstance(bundle, tuple) else bundle
-        display({**bundle, "text/html": snapshot_html(box)}, raw=True)
+        _show(box, snapshot_html(box))
 
 
 def memory_breakdown(model, gpu, kv_format, weights_dtype, batch, context, tp=1, memory_utilization=0.9):
