@@ -163,8 +163,9 @@ class CompletionServer:
             raise RequestError(404, f"model {body['model']!r} does not exist; this server serves {self.name!r}")
         if body.get("stream"):
             raise RequestError(400, "stream=true is not supported")
-        if _int_field(body, "n", 1, 1, 1) != 1 or body.get("best_of", 1) != 1:
-            raise RequestError(400, "only n=1 is supported")
+        _int_field(body, "n", 1, 1, 1)  # only n=1: anything else is refused with its range
+        if body.get("best_of", 1) != 1:
+            raise RequestError(400, "only best_of=1 is supported")
         temp = body.get("temperature", 0)
         if not isinstance(temp, int | float) or temp != 0:
             raise RequestError(400, f"this server decodes greedily: 'temperature' must be 0, got {temp!r}")

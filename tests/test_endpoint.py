@@ -296,7 +296,8 @@ def test_server_rejects_bad_requests(servers):
     for body, why in [({"prompt": "x", "temperature": 0.7}, "greedily"), ({"prompt": ""}, "empty"),
                       ({"prompt": 3}, "'prompt' must be"), ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
                       ({"prompt": "x", "logprobs": 99}, "logprobs"), ({"prompt": "x", "model": "gpt"}, "does not exist"),
-                      ({"prompt": [10**9]}, "token ids"), ({"prompt": "x", "stream": True}, "stream")]:
+                      ({"prompt": [10**9]}, "token ids"), ({"prompt": "x", "stream": True}, "stream"),
+                      ({"prompt": "x", "n": 2}, "'n' must be an integer in [1, 1]"), ({"prompt": "x", "best_of": 3}, "best_of")]:
         r = httpx.post(a.url + "/v1/completions", json=body, timeout=30)
         assert 400 <= r.status_code < 500 and why in r.json()["error"]["message"], (body, r.text)
     r = httpx.post(a.url + "/v1/completions", content=b"{not json", timeout=30)
