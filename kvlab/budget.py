@@ -360,12 +360,15 @@ class GPU:
     bandwidth_bytes_per_s: float
     source: str
     peak_bf16_flops: float = 0.0  # dense BF16 tensor-core peak, FLOP/s
+    usd_per_hour: float | None = None  # one public list price, see price_source
+    price_source: str = ""
 
 
 def gpus() -> dict[str, GPU]:
     doc = json.loads((PRESETS / "gpus.json").read_text())["gpus"]
     return {
-        k: GPU(k, int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12)
+        k: GPU(k, int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12,
+               v.get("usd_per_hour"), v.get("price_source", ""))
         for k, v in doc.items()
     }
 
@@ -378,6 +381,18 @@ def get_gpu(gpu) -> GPU:
     if not isinstance(gpu, str) or gpu.lower() not in by_lower:
         raise ValueError(f"unknown GPU {gpu!r}; choose one of: {', '.join(table)}")
     return by_lower[gpu.lower()]
+
+
+def hourly_price(gpu, usd: float | None = None) -> float:
+    """Dollars per GPU-hour: ``usd`` when given, else the GPU's listed price (``GPU.price_source``)."""
+    if usd is None:
+        g = get_gpu(gpu)
+        if g.usd_per_hour is None:
+            raise ValueError(f"GPU {g.name!r} has no listed price; pass gpu_hour_usd")
+        return g.usd_per_hour
+    if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not math.isfinite(usd) or usd <= 0:
+        raise ValueError(f"gpu_hour_usd must be a positive finite number of dollars, got {usd!r}")
+    return float(usd)
 
 
 def weights_bytes(model, weights_dtype: str = "bf16") -> int:

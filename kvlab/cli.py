@@ -306,11 +306,11 @@ def cmd_serve_sim(args) -> int:
             reqs = S.WORKLOADS[args.workload](block_size=block, seed=args.seed, **kw)
         res = S.simulate(reqs, args.model, args.gpu, args.kv_dtype, weights_dtype=args.weights_dtype,
                          block_size=block, memory_utilization=args.memory_utilization)
+        price = B.hourly_price(args.gpu, args.gpu_hour_usd)
     except (ValueError, OSError, TypeError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
-    out = res.summary() | {"cost_per_million_output_tokens": res.cost_per_million(args.gpu_hour_usd),
-                           "gpu_hour_usd": args.gpu_hour_usd}
+    out = res.summary() | {"cost_per_million_output_tokens": res.cost_per_million(price), "gpu_hour_usd": price}
     if args.json:
         print(json.dumps(out, indent=1, allow_nan=False))
     else:
@@ -325,8 +325,8 @@ def _positive_float(text):
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v}")
     return v
 
 
@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per block (default 16; 512 for traces)")
     s.add_argument("--requests", type=_int("--requests", 1), default=None, help="how many requests to replay")
     s.add_argument("--memory-utilization", default=0.9, type=_fraction)
-    s.add_argument("--gpu-hour-usd", default=3.0, type=_positive_float, help="price of one GPU-hour")
+    s.add_argument("--gpu-hour-usd", default=None, type=_positive_float,
+                   help="price of one GPU-hour in dollars (default: the GPU's listed price, see data/presets/gpus.json)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_serve_sim)

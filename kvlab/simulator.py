@@ -217,10 +217,16 @@ class SimResult:
         """Generated tokens per second."""
         return self.output_tokens / self.duration_s if self.duration_s else 0.0
 
-    def cost_per_million(self, gpu_hour_usd: float, tokens: str = "output") -> float:
-        """Dollars per million tokens (``"output"`` or ``"total"`` = prompt + output)."""
+    def cost_per_million(self, gpu_hour_usd: float | None = None, tokens: str = "output") -> float:
+        """Dollars per million tokens (``"output"`` or ``"total"`` = prompt + output).
+
+        ``gpu_hour_usd`` defaults to the GPU's listed price (``data/presets/gpus.json``, with its source).
+        """
+        if tokens not in ("output", "total"):
+            raise ValueError(f"tokens must be 'output' or 'total', got {tokens!r}")
+        price = B.hourly_price(self.gpu, gpu_hour_usd)
         n = self.output_tokens if tokens == "output" else self.output_tokens + self.prompt_tokens
-        return gpu_hour_usd * self.duration_s / 3600 / max(1, n) * 1e6
+        return price * self.duration_s / 3600 / max(1, n) * 1e6
 
     def summary(self) -> dict:
         return {"model": self.model, "gpu": self.gpu, "kv_format": self.kv_format, "block_size": self.block_size,
@@ -371,10 +377,13 @@ def hit_rate_vs_pool(requests: list[Request], model, gpu, formats, pool_gib: lis
     return out
 
 
-def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0, weights_dtype="bf16",
+def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd: float | None = None, weights_dtype="bf16",
                block_size=16, pool_bytes: int | None = None, quality: dict[str, float] | None = None,
-               threshold: float = 0.9, reference: dict | float | None = None) -> list[dict]:
+               threshold: float = 0.9, reference: dict | float | None = None,
+               perplexity: dict[str, float] | None = None, max_ppl_increase: float = 0.05) -> list[dict]:
     """One row per format: hit rate, recomputed tokens, concurrency, throughput, $ per million output tokens.
+
+    ``gpu_hour_usd`` defaults to the GPU's listed price (:func:`kvlab.budget.hourly_price`).
 
     ``quality`` maps a format to a score in [0, 1] measured elsewhere (chapter 4's long-context
     exact match), or to ``{context_length: score}`` (:func:`quality_by_length`); scores below
@@ -382,9 +391,19 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0
     (full precision's score, or its ``{context_length: score}``) the bar is relative: a score
     passes when it reaches ``threshold`` times the reference's, so the model's own misses are
     not charged to the format.
+
+    ``perplexity`` maps a format to its relative perplexity increase over full precision
+    (chapter 4's ladder, ``ppl_increase``); increases above ``max_ppl_increase`` are flagged
+    ``ppl_ok=False``. Formats it does not name get ``None`` in both columns.
     """
     if not 0 <= threshold <= 1:
         raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+    if isinstance(max_ppl_increase, bool) or not isinstance(max_ppl_increase, (int, float)) \
+            or not 0 <= max_ppl_increase < math.inf:
+        raise ValueError(f"max_ppl_increase must be a finite fraction >= 0, got {max_ppl_increase!r}")
+    bad = {f: v for f, v in (perplexity or {}).items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
+    if bad:
+        raise ValueError(f"perplexity increases must be finite numbers, got {bad}")
 
     def bar(n=None):
         if reference is None:
@@ -402,8 +421,10 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd=3.0
             ok = {n: None if v is None else v >= bar(n) - 1e-12 for n, v in q.items()}
         else:
             ok = None if q is None else q >= bar() - 1e-12
+        ppl = None if perplexity is None else perplexity.get(str(fmt))
         rows.append({"kv_format": str(fmt), "num_blocks": r.num_blocks, "hit_rate": s["hit_rate"],
                      "recomputed_tokens": s["prefill_tokens_computed"], "peak_concurrency": s["peak_concurrency"],
                      "throughput_tok_s": s["throughput_tok_s"], "usd_per_m_tokens": r.cost_per_million(gpu_hour_usd),
-                     "quality": q, "ok": ok})
+                     "quality": q, "ok": ok, "ppl_increase": ppl,
+                     "ppl_ok": None if ppl is None else ppl <= max_ppl_increase + 1e-12})
     return rows

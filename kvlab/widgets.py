@@ -227,7 +227,8 @@ class PrefixCacheExplorer(_Panel):
         self.table.value = (
             f"On one {self.gpu.value} with {self.kv_format.value} KV: {row['num_blocks']:,} blocks, "
             f"hit rate {row['hit_rate']:.1%}, peak concurrency {row['peak_concurrency']}, "
-            f"${row['usd_per_m_tokens']:.2f} per million output tokens at $3/GPU-hour.")
+            f"${row['usd_per_m_tokens']:.2f} per million output tokens at "
+            f"${B.hourly_price(self.gpu.value):.2f}/GPU-hour (its listed price).")
 
     def widget(self):
         return w.VBox([w.HBox([self.model, self.gpu]), w.HBox([self.workload, self.kv_format]), self.table, self.fig])
@@ -352,8 +353,19 @@ class SweepExplorer(_Panel):
 def cost_table_html(rows: list[dict]) -> str:
     """:func:`cost_table` rows as an HTML table, scores under the quality threshold flagged in red.
 
-    With per-length quality (:func:`quality_by_length`) there is one column per context length.
+    With per-length quality (:func:`quality_by_length`) there is one column per context length;
+    with perplexity increases there is a perplexity column, red above its limit.
     """
+    red = " style='color:#b00;font-weight:bold'"
+    with_ppl = any(r.get("ppl_increase") is not None for r in rows)
+
+    def ppl(r):
+        if not with_ppl:
+            return ""
+        v = r.get("ppl_increase")
+        return "<td>—</td>" if v is None else f"<td{'' if r['ppl_ok'] else red}>{v:+.0%}</td>"
+
+    ppl_head = "<th>perplexity</th>" if with_ppl else ""
     per_length = [r for r in rows if isinstance(r["quality"], dict)]
     if per_length:
         lengths = sorted({n for r in per_length for n in r["quality"]})
@@ -362,25 +374,26 @@ def cost_table_html(rows: list[dict]) -> str:
             v = r["quality"].get(n) if isinstance(r["quality"], dict) else None
             if v is None:
                 return "<td>—</td>"
-            style = "" if r["ok"][n] else " style='color:#b00;font-weight:bold'"
-            return f"<td{style}>{v:.0%}</td>"
+            return f"<td{'' if r['ok'][n] else red}>{v:.0%}</td>"
 
         head = "".join(f"<th>{n}</th>" for n in lengths)
         body = "".join(
             f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
-            + "".join(cell(r, n) for n in lengths) + "</tr>" for r in rows)
-        return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + head + "</tr>" + body
-                + "</table><p>Passkey exact match per context length (tokens); red: under the threshold.</p>")
+            + ppl(r) + "".join(cell(r, n) for n in lengths) + "</tr>" for r in rows)
+        note = " Perplexity: increase over full precision; red: above its limit." if with_ppl else ""
+        return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + ppl_head + head + "</tr>" + body
+                + "</table><p>Passkey exact match per context length (tokens); red: under the threshold." + note
+                + "</p>")
 
     def flag(r):
         return "—" if r["ok"] is None else ("ok" if r["ok"] else "<b style='color:#b00'>below threshold</b>")
 
     cells = "".join(
         f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
-        f"<td>{'' if r['quality'] is None else format(r['quality'], '.0%')}</td><td>{flag(r)}</td></tr>"
+        f"{ppl(r)}<td>{'' if r['quality'] is None else format(r['quality'], '.0%')}</td><td>{flag(r)}</td></tr>"
         for r in rows)
-    return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th><th>quality</th><th></th></tr>"
-            + cells + "</table>")
+    return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + ppl_head
+            + "<th>quality</th><th></th></tr>" + cells + "</table>")
 
 
 class CostQualityTable(_Panel):
@@ -388,10 +401,13 @@ class CostQualityTable(_Panel):
 
     A slider sets the minimum passkey exact match a format must reach at each context length;
     cells under it turn red. ``quality`` is :func:`kvlab.evals.quality_by_length`'s mapping.
+    With ``perplexity`` ({format: relative increase}, chapter 4's ladder) a second slider sets the
+    largest perplexity increase allowed.
     """
 
-    def __init__(self, requests, model, gpu, formats, quality: dict, threshold: float = 0.9, gpu_hour_usd=3.0,
-                 reference: dict | float | None = None):
+    def __init__(self, requests, model, gpu, formats, quality: dict, threshold: float = 0.9, gpu_hour_usd=None,
+                 reference: dict | float | None = None, perplexity: dict[str, float] | None = None,
+                 max_ppl_increase: float = 0.05):
         from .simulator import cost_table
 
         missing = [f for f in formats if all(v is None for v in quality.get(str(f), {}).values())]
@@ -399,19 +415,24 @@ class CostQualityTable(_Panel):
             raise ValueError(f"no measured quality for {missing}; rerun scripts/sweep_evals.py with these formats")
         if not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
-        self._rows = lambda t: cost_table(requests, model, gpu, formats, quality=quality, threshold=t,
-                                          gpu_hour_usd=gpu_hour_usd, reference=reference)
+        self._rows = lambda t, p: cost_table(requests, model, gpu, formats, quality=quality, threshold=t,
+                                             gpu_hour_usd=gpu_hour_usd, reference=reference, perplexity=perplexity,
+                                             max_ppl_increase=p)
         self.relative = reference is not None
-        self.threshold = w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05,
-                                       description="min quality" + (" (x full precision)" if reference is not None else ""),
-                                       style={"description_width": "initial"})
+        style = {"description_width": "initial"}
+        self.threshold = w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05, style=style,
+                                       description="min exact match" + (" (x full precision)" if self.relative else ""))
+        self.max_ppl = w.FloatSlider(value=max_ppl_increase, min=0.0, max=0.5, step=0.01, readout_format=".0%",
+                                     description="max perplexity increase", style=style)
+        self.controls = [self.threshold] + ([self.max_ppl] if perplexity else [])
         self.table = w.HTML()
-        self.threshold.observe(self.update, names="value")
+        for c in self.controls:
+            c.observe(self.update, names="value")
         self.update()
 
     def update(self, change=None):
-        self.rows = self._rows(self.threshold.value)
+        self.rows = self._rows(self.threshold.value, self.max_ppl.value)
         self.table.value = cost_table_html(self.rows)
 
     def widget(self):
-        return w.VBox([self.threshold, self.table])
+        return w.VBox([*self.controls, self.table])

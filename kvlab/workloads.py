@@ -98,7 +98,7 @@ def without_sharing(requests: list[Request]) -> list[Request]:
         for r in requests]
 
 
-def cost_split(requests: list[Request], model, gpu, formats, *, reference: str = "bf16", gpu_hour_usd: float = 3.0,
+def cost_split(requests: list[Request], model, gpu, formats, *, reference: str = "bf16", gpu_hour_usd: float | None = None,
                **kw) -> list[dict]:
     """What each format saves against ``reference``, with the trace's prefix sharing and without it.
 

@@ -152,6 +152,25 @@ def test_every_preset_has_a_source():
         assert shape.num_parameters and shape.num_layers
     for g in B.gpus().values():
         assert g.source and g.memory_bytes > 0
+        assert g.usd_per_hour and g.usd_per_hour > 0, f"{g.name} has no price per GPU-hour"
+        assert "https://" in g.price_source and "$" in g.price_source, f"{g.name}'s price names no page and rate"
+
+
+def test_prices_follow_the_hardware():
+    """Listed prices from one provider keep the order a reader expects: more memory bandwidth costs more."""
+    p = {k: g.usd_per_hour for k, g in B.gpus().items()}
+    assert p["L4"] < p["RTX-4090"] < p["A100-80GB"] < p["H100-80GB"] < p["H200"] < p["B200"]
+    assert B.hourly_price("l4") == p["L4"] and B.hourly_price("L4", 1) == 1.0
+
+
+@given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5), st.booleans(), st.text(max_size=3)))
+def test_hourly_price_refuses_what_is_not_a_price(usd):
+    ok = isinstance(usd, (int, float)) and not isinstance(usd, bool) and 0 < usd < float("inf")
+    if ok:
+        assert B.hourly_price("H100-80GB", usd) == usd
+    else:
+        with pytest.raises(ValueError, match="gpu_hour_usd must be a positive finite number"):
+            B.hourly_price("H100-80GB", usd)
 
 
 formats = st.sampled_from(["fp16", "fp8", "int8", "int4", "q4_0", "kivi-2", "lmdeploy-int4"])

@@ -2,6 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlab import budget as B
 from kvlab import serving as S
 
 
@@ -92,6 +93,24 @@ def test_cli(capsys):
     assert main(["serve-sim", "--workload", "few-shot", "--requests", "50", "--kv-dtype", "fp8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 50 and 0 <= out["hit_rate"] <= 1 and out["cost_per_million_output_tokens"] > 0
+    assert out["gpu_hour_usd"] == B.gpus()["H100-80GB"].usd_per_hour, "the default price is the GPU's listed one"
+    assert main(["serve-sim", "--workload", "few-shot", "--requests", "50", "--gpu-hour-usd", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu_hour_usd"] == 6.0
+    for bad in ("inf", "0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            main(["serve-sim", "--gpu-hour-usd", bad])
+        assert "--gpu-hour-usd" in capsys.readouterr().err
+
+
+def test_cost_per_million_prices_and_tokens():
+    r = S.simulate(S.few_shot(n=20), "llama-3.1-8b", "L4", "bf16")
+    assert r.cost_per_million() == pytest.approx(r.cost_per_million(B.gpus()["L4"].usd_per_hour))
+    assert r.cost_per_million(2.0) == pytest.approx(2 * r.cost_per_million(1.0))
+    assert r.cost_per_million(1.0, "total") < r.cost_per_million(1.0, "output")
+    with pytest.raises(ValueError, match="tokens must be 'output' or 'total'"):
+        r.cost_per_million(1.0, "input")
+    with pytest.raises(ValueError, match="gpu_hour_usd must be a positive finite"):
+        r.cost_per_million(float("nan"))
 
 
 def test_cost_table_flags_one_score_per_format():
@@ -233,7 +252,7 @@ def test_cost_split_separates_concurrency_from_hits():
     # the price scales every cost and no saving
     again = {r["kv_format"]: r for r in S.cost_split(reqs, "llama-3.1-8b", "L4", ["int4"], gpu_hour_usd=1.0)}
     assert again["int4"]["saving_shared"] == pytest.approx(rows["int4"]["saving_shared"])
-    assert again["int4"]["usd_shared"] == pytest.approx(rows["int4"]["usd_shared"] / 3)
+    assert again["int4"]["usd_shared"] == pytest.approx(rows["int4"]["usd_shared"] / B.hourly_price("L4"))
 
 
 def test_quality_bar_relative_to_full_precision():
@@ -248,3 +267,20 @@ def test_quality_bar_relative_to_full_precision():
     assert absolute["bf16"]["ok"][8192] is False
     with pytest.raises(ValueError, match="threshold"):
         S.cost_table(reqs, "llama-3.1-8b", "L4", ["bf16"], threshold=1.5)
+
+
+def test_cost_table_perplexity_column():
+    reqs = S.few_shot(n=30)
+    ppl = {"bf16": 0.0, "int4": 0.12}
+    rows = {r["kv_format"]: r for r in S.cost_table(reqs, "llama-3.1-8b", "L4", ["bf16", "int4", "fp8_e4m3"],
+                                                      perplexity=ppl, max_ppl_increase=0.05)}
+    assert (rows["bf16"]["ppl_ok"], rows["int4"]["ppl_ok"], rows["fp8_e4m3"]["ppl_ok"]) == (True, False, None)
+    html = S.cost_table_html(list(rows.values()))
+    assert "<th>perplexity</th>" in html and "+12%" in html and html.count("color:#b00") == 1
+    looser = S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], perplexity=ppl, max_ppl_increase=0.2)
+    assert looser[0]["ppl_ok"] is True
+    assert "perplexity" not in S.cost_table_html(S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"]))
+    for bad, match in [({"max_ppl_increase": -0.1}, "max_ppl_increase"), ({"max_ppl_increase": float("inf")}, "max_ppl"),
+                       ({"perplexity": {"int4": float("nan")}}, "perplexity increases must be finite")]:
+        with pytest.raises(ValueError, match=match):
+            S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], **bad)

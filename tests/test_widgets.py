@@ -51,8 +51,21 @@ def test_prefix_cache_explorer_updates_in_place():
     e.workload.value = "rag"
     assert e.fig.data[0] is trace and tuple(trace.y) != before
     assert "blocks" in e.table.value
+    assert f"${B.gpus()['L4'].usd_per_hour:.2f}/GPU-hour" in e.table.value, "the explorer prices at the GPU's listed rate"
     e.model.value = "llama-3.1-70b"  # weights do not fit on an L4: an error line, not an exception
     assert "no memory" in e.table.value
+
+
+def test_cost_quality_table_flags_perplexity_with_its_own_slider():
+    from kvlab import serving as S
+    from kvlab.widgets import CostQualityTable
+
+    q = {"bf16": {512: 1.0}, "int4": {512: 1.0}}
+    t = CostQualityTable(S.few_shot(n=20), "llama-3.1-8b", "L4", ["bf16", "int4"], q, perplexity={"bf16": 0, "int4": 0.12})
+    assert len(t.controls) == 2 and "color:#b00" in t.table.value  # +12% over the 5% default
+    t.max_ppl.value = 0.2
+    assert "color:#b00" not in t.table.value and all(r["ppl_ok"] for r in t.rows)
+    assert len(CostQualityTable(S.few_shot(n=20), "llama-3.1-8b", "L4", ["int4"], q).controls) == 1
 
 
 def test_quant_error_explorer_updates_in_place():
