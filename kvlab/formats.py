@@ -243,3 +243,8 @@ def engine_options(fmt: str | KVFormat) -> dict[str, str | None]:
     if f.name not in t["presets"]:
         raise ValueError(f"{f.name!r} is not a preset; engine options exist for: {', '.join(t['presets'])}")
     return {t["engines"][k]["name"]: v for k, v in t["presets"][f.name].items()}
+
+
+def engines_offering(formats) -> dict[str, list[str]]:
+    """``{format: [engines with a documented option that stores exactly it]}`` for preset names."""
+    return {str(n): [e for e, flag in engine_options(n).items() if flag] for n in formats}

@@ -124,3 +124,23 @@ def format_errors(keys, values, queries=None, formats=("fp8_e4m3", "int8", "int4
                 row |= {k_: t.item() for k_, t in e.items()}
             rows.append(row)
     return rows
+
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+E4M3_MIN_NORMAL = 2.0**-6  # below this E4M3 is subnormal and loses relative precision
+
+
+def fp8_unit_scale(layers: list[torch.Tensor]) -> dict[str, float]:
+    """What storing tensors as FP8 E4M3 with a scale of 1.0 (vLLM's default) does to them.
+
+    ``layers`` holds one tensor per layer. Returns ``snr_db`` (mean over layers, values past
+    ±448 clipped as a saturating cast would), ``amax`` (largest magnitude) and
+    ``subnormal_fraction`` (share of values below 2⁻⁶).
+    """
+    if not layers or not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in layers):
+        raise ValueError("layers must be a non-empty list of floating-point tensors, one per layer")
+    snr = [snr_db(t, t.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()).item() for t in layers]
+    return {"snr_db": sum(snr) / len(snr),
+            "amax": max(t.abs().max().item() for t in layers),
+            "subnormal_fraction": sum((t.abs() < E4M3_MIN_NORMAL).sum().item() for t in layers)
+            / sum(t.numel() for t in layers)}

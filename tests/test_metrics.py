@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from kvlab import metrics as M
 from kvlab.metrics import attention_errors, attention_logits, attention_output, mse, snr_db
 
 
@@ -43,3 +44,23 @@ def test_bad_inputs():
         mse(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), per="row")
     with pytest.raises(ValueError, match="not a multiple"):
         attention_logits(torch.zeros(1, 3, 2, 4), torch.zeros(1, 2, 2, 4))
+
+
+def test_fp8_unit_scale_by_hand():
+    exact = torch.tensor([1.0, -2.0, 0.5, 448.0]).view(1, 1, 1, 4)  # all representable in E4M3: no error
+    tiny = torch.tensor([2.0**-8, 1.0, 1.0, 1.0]).view(1, 1, 1, 4)  # one value of four below 2^-6
+    out = M.fp8_unit_scale([exact, tiny])
+    assert out["amax"] == 448.0 and out["subnormal_fraction"] == 1 / 8
+    assert out["snr_db"] > 100, "exactly representable values lose nothing"
+    clipped = M.fp8_unit_scale([torch.tensor([1000.0, 1.0]).view(1, 1, 1, 2)])
+    assert clipped["amax"] == 1000.0 and clipped["snr_db"] < 10, "values past ±448 clip"
+    for bad in ([], [torch.tensor([1, 2])], ["x"]):
+        with pytest.raises(ValueError, match="floating-point tensors"):
+            M.fp8_unit_scale(bad)
+
+
+def test_engines_offering_matches_engine_options():
+    from kvlab.formats import engine_options, engines_offering
+
+    got = engines_offering(["fp8_e4m3", "q4_0"])
+    assert "vLLM" in got["fp8_e4m3"] and got["q4_0"] == [e for e, f in engine_options("q4_0").items() if f]
