@@ -301,3 +301,29 @@ def _validate(q, k, v, seq_lens, block_n, num_splits):
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive integer or None, got {num_splits!r}")
     return args
+
+
+def max_error_vs_reference(formats, *, lengths=(300, 17), kv_heads: int = 2, q_heads: int = 8, head_dim: int = 64,
+                           device="cpu", seed: int = 0) -> dict[str, float]:
+    """Largest ``|kernel - reference|`` per format on one random cache (chapter 3.3).
+
+    Both sides read the same :class:`KVStore` codes, so the difference is the kernel's own
+    arithmetic, not the format's quantization error. ``lengths`` gives one sequence per entry.
+    """
+    from kvlab.formats import get_format
+
+    if not formats:
+        raise ValueError("formats must name at least one KV format")
+    if not lengths or not all(isinstance(n, int) and n > 0 for n in lengths):
+        raise ValueError(f"lengths must be positive token counts, one per sequence, got {lengths!r}")
+    g = torch.Generator().manual_seed(seed)
+    T, B = max(lengths), len(lengths)
+    k, v = (torch.randn(B, kv_heads, T, head_dim, generator=g).to(device) for _ in range(2))
+    q = torch.randn(B, q_heads, head_dim, generator=g).to(device)
+    lens = torch.tensor(list(lengths), dtype=torch.int32, device=device)
+    out = {}
+    for f in formats:
+        fmt = get_format(f)
+        kq, vq = KVStore.from_tensor(k, fmt.key), KVStore.from_tensor(v, fmt.value)  # what the cache holds
+        out[str(f)] = (decode_attention(q, kq, vq, lens) - decode_attention_reference(q, kq, vq, lens)).abs().max().item()
+    return out

@@ -55,3 +55,27 @@ def decode_step(model, batch: int, context: int, kv_format="bf16", gpu: str | No
 def predicted_speedup(model, context: int, kv_format: str, baseline: str = "bf16", batch: int = 1) -> float:
     """Bandwidth-bound prediction: baseline bytes / format bytes for the same attention."""
     return B.budget(model, batch, context, baseline).cache_bytes / B.budget(model, batch, context, kv_format).cache_bytes
+
+
+def latest_gpu_run(results_dir=None) -> dict | None:
+    """The newest ``benchmarks/decode_attention.py`` result in ``data/results/`` (None when no GPU has run it)."""
+    import json
+    from pathlib import Path
+
+    runs = sorted(Path(results_dir or B.DATA / "results").glob("decode_attention_*.json"))
+    return json.loads(runs[-1].read_text()) if runs else None
+
+
+def measured_speedup_figure(doc: dict, context: int = 32768):
+    """Bars of measured speedup over BF16 SDPA per format, one series per batch size, at ``context``."""
+    import plotly.graph_objects as go
+
+    rows = [r for r in doc["rows"] if r["context"] == context]
+    if not rows:
+        raise ValueError(f"the run has no rows at context {context}; it measured {sorted({r['context'] for r in doc['rows']})}")
+    fig = go.Figure([go.Bar(name=f"batch {b}", x=[r["format"] for r in rows if r["batch"] == b],
+                            y=[r["speedup_vs_bf16"] for r in rows if r["batch"] == b])
+                     for b in sorted({r["batch"] for r in rows})])
+    fig.update_layout(height=340, title=f"Measured speedup over BF16 SDPA at {context:,} tokens: {doc['gpu']}",
+                      xaxis_title="KV format", yaxis_title="speedup over BF16 (x)")
+    return fig

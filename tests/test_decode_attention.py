@@ -186,3 +186,13 @@ def test_interpreter_is_chosen_even_when_triton_is_imported_early():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-1500:]
     assert float(r.stdout.strip().splitlines()[-1]) < 1e-3
+
+
+def test_max_error_vs_reference_reports_the_kernels_own_error():
+    errs = kernels.max_error_vs_reference(["bf16", "int4"], lengths=(40, 7), device=DEV)
+    assert set(errs) == {"bf16", "int4"} and all(0 <= e < 1e-3 for e in errs.values())
+    for bad in [{"lengths": ()}, {"lengths": (0, 3)}]:
+        with pytest.raises(ValueError, match="lengths"):
+            kernels.max_error_vs_reference(["bf16"], **bad)
+    with pytest.raises(ValueError, match="formats"):
+        kernels.max_error_vs_reference([])

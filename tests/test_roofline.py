@@ -18,3 +18,19 @@ def test_predicted_speedup_is_the_bytes_ratio():
 def test_mla_is_rejected_with_a_reason():
     with pytest.raises(ValueError, match="MLA"):
         roofline.decode_step("deepseek-v3", 1, 1000)
+
+
+def test_latest_gpu_run_and_its_figure(tmp_path):
+    import json
+
+    assert roofline.latest_gpu_run(tmp_path) is None
+    rows = [{"batch": b, "context": 32768, "format": f, "speedup_vs_bf16": s}
+            for b, f, s in [(1, "fp8_e4m3", 1.8), (16, "fp8_e4m3", 1.9), (1, "int4", 2.9)]]
+    doc = {"gpu": "NVIDIA H200", "rows": rows}
+    (tmp_path / "decode_attention_H200_2026-01-01.json").write_text(json.dumps(doc))
+    (tmp_path / "decode_attention_H200_2026-02-01.json").write_text(json.dumps(doc | {"gpu": "newer"}))
+    assert roofline.latest_gpu_run(tmp_path)["gpu"] == "newer"
+    fig = roofline.measured_speedup_figure(doc)
+    assert [t.name for t in fig.data] == ["batch 1", "batch 16"] and list(fig.data[0].y) == [1.8, 2.9]
+    with pytest.raises(ValueError, match="no rows at context 1024"):
+        roofline.measured_speedup_figure(doc, context=1024)
