@@ -182,12 +182,13 @@ def greedy_through_cache(model, input_ids: torch.Tensor, fmt: str | KVFormat, n_
                          prefill_mode: str = "full") -> torch.Tensor:
     """Prefill ``input_ids`` ``[batch, tokens]`` and decode ``n_new`` tokens greedily from a kvlab cache.
 
-    ``prefill_mode="full"`` (what vLLM and ``transformers``' ``QuantizedCache`` do with
-    a fresh prompt): the prompt attends over full-precision K and V and only the stored
-    copy is quantized; every generated token reads the quantized cache.
-    ``"cached"``: the prompt's own attention already reads the quantized cache, as in
-    chunked prefill where each chunk reads the earlier ones back from the cache
-    (at its harshest, one token a chunk).
+    ``prefill_mode="full"`` (what ``transformers``' ``QuantizedCache`` does with a fresh
+    prompt): the prompt attends over full-precision K and V and only the stored copy is
+    quantized; every generated token reads the quantized cache.
+    ``"cached"``: the prompt's own attention already reads the quantized cache, as in vLLM's
+    V1 attention backends and llama.cpp, which write K and V to the cache first and attend
+    over it (``vllm/v1/attention/backends/flash_attn.py``; ``build_attn`` in llama.cpp's
+    ``src/llama-graph.cpp``).
     """
     _check_mode(prefill_mode)
     return _generate(model, input_ids, [get_format(fmt)], n_new, prefill_mode)[get_format(fmt).name]
@@ -316,7 +317,7 @@ def teacher_comparisons(model, tok, fmts, prompts: list, max_new_tokens: int = 3
     """Side by side with the full-precision teacher on a golden set, for several formats at once.
 
     Each prompt (a string or a list of token ids) is prefilled once in full
-    precision, as a server does. The teacher (``teacher_fmt`` cache) generates
+    precision, as ``transformers``' ``QuantizedCache`` does. The teacher (``teacher_fmt`` cache) generates
     greedily; each student (same weights, same prefill, cache in its format) is
     scored on the teacher's tokens (teacher forcing): mean per-token KL divergence
     KL(teacher || student), top-1 agreement, and — from the student's own greedy

@@ -102,8 +102,9 @@ def cost_split(requests: list[Request], model, gpu, formats, *, reference: str =
                **kw) -> list[dict]:
     """What each format saves against ``reference``, with the trace's prefix sharing and without it.
 
-    Without sharing the saving is the concurrency effect alone; the difference between the two
-    savings is what the extra prefix hits add. Rows: ``kv_format``, ``usd_shared``,
+    Without sharing the saving is what the smaller cache does by itself (more sequences per decode
+    step, fewer cache bytes read per sequence); the difference between the two savings, each a
+    fraction of its own reference cost, is what the extra prefix hits add. Rows: ``kv_format``, ``usd_shared``,
     ``usd_unshared`` ($ per million output tokens), ``saving_shared``, ``saving_unshared``
     (fractions of the reference's cost), ``hit_rate`` and ``peak_concurrency`` with sharing,
     and ``peak_concurrency_unshared``.
