@@ -39,6 +39,8 @@ from kvlab.formats import KVFormat, Quantizer, format_names, get_format  # noqa:
 from kvlab.models import DEFAULT_MODEL, load_model  # noqa: E402
 
 CORE = ["fp32", "fp8_e4m3", "int8", "int4_tensor", "int4_token", "int4", "q4_0", "kivi-2"]
+# formats swept with the prompt's own attention reading the quantized cache (vLLM's and llama.cpp's prefill)
+CACHED = ["int4_token", "int4", "kivi-2", "int4_tensor", "fp8_e4m3", "int8", "q4_0"]
 
 
 def mitigations() -> list[KVFormat]:
@@ -128,13 +130,13 @@ def main(argv=None):
         save("perplexity", t)
     # 3. the harsher mode: the prompt's own attention reads the quantized cache
     t = time.time()
-    step = "passkey, prompt quantized during prefill"
-    cached = [] if done(step) else [f for f in core if f.name in ("int4_token", "int4", "kivi-2", "int4_tensor")]
+    have = out.setdefault("prefill_cached", {})
+    cached = [f for f in core if f.name in CACHED and f.name not in have]  # a resumed sweep adds only what is missing
     if cached:
         res = evals.passkey_sweeps(model, tok, cached, [2048 if not args.quick else 512], depths,
                                    1 if args.quick else 2, seed=0, prefill="cached")
-        out["prefill_cached"] = {name: r.rows for name, r in res.items()}
-        save(step, t)
+        have.update({name: r.rows for name, r in res.items()})
+        save("passkey, prompt quantized during prefill" + (f" ({len(cached)} formats)" if len(have) > len(cached) else ""), t)
     # 4. multi-hop, in full precision first: a rung the model cannot climb ranks nothing
     t = time.time()
     if not done("2-hop chain, fp32"):
