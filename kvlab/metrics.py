@@ -126,8 +126,8 @@ def format_errors(keys, values, queries=None, formats=("fp8_e4m3", "int8", "int4
     return rows
 
 
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-E4M3_MIN_NORMAL = 2.0**-6  # below this E4M3 is subnormal and loses relative precision
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+E4M3_MIN_NORMAL = torch.finfo(torch.float8_e4m3fn).smallest_normal  # 2^-6: below it E4M3 loses relative precision
 
 
 def fp8_unit_scale(layers: list[torch.Tensor]) -> dict[str, float]:

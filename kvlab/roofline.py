@@ -62,7 +62,9 @@ def latest_gpu_run(results_dir=None) -> dict | None:
     import json
     from pathlib import Path
 
-    runs = sorted(Path(results_dir or B.DATA / "results").glob("decode_attention_*.json"))
+    from .paths import RESULTS_DIR
+
+    runs = sorted(Path(results_dir or RESULTS_DIR).glob("decode_attention_*.json"))
     return json.loads(runs[-1].read_text()) if runs else None
 
 
