@@ -61,8 +61,13 @@ class KVQuantLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, fmt: str | KVFormat = "fp16", quantize_prefill: bool = True, kernel: bool | None = None):
+    def __init__(self, fmt: str | KVFormat = "fp16", quantize_prefill: bool = True, kernel: bool | None = None,
+                 window: int | None = None):
         super().__init__()
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
+            raise ValueError(f"window must be an integer >= 2 or None, got {window!r}")
+        self.window = window  # a sliding-window layer keeps its last window - 1 tokens (as transformers does)
+        self.is_sliding = window is not None
         self.fmt = get_format(fmt)
         self.quantize_prefill = quantize_prefill
         self.kernel = kernel  # None: the Triton kernel on CUDA for formats it reads; True/False: always/never
@@ -92,8 +97,8 @@ class KVQuantLayer(DynamicLayer):
                              f"{value_states.shape[-2]}")
         self.cumulative_length += key_states.shape[-2]
         k, v = key_states, value_states
-        # 1. the first `sinks` tokens stay in full precision
-        room = self.fmt.sinks - self.sink_k.shape[-2]
+        # 1. the first `sinks` tokens stay in full precision (a windowed layer forgets them like any token)
+        room = (0 if self.window else self.fmt.sinks) - self.sink_k.shape[-2]
         if room > 0:
             self.sink_k = torch.cat([self.sink_k, k[..., :room, :]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, v[..., :room, :]], dim=-2)
@@ -104,14 +109,37 @@ class KVQuantLayer(DynamicLayer):
         self._flush()
         if first and not self.quantize_prefill:
             out = key_states, value_states
-        elif key_states.shape[-2] == 1 and self._attends_now():
+        elif key_states.shape[-2] == 1 and not self.window and self._attends_now():
             setattr(key_states, _TAG, (weakref.ref(self), False))  # attend() reads the stores instead
             self._pending = True
             return key_states, value_states
         else:
             out = self.dequantized()
+        if self.window:  # this call still sees the whole window; the next one needs only its last window - 1
+            self._forget(self.held - (self.window - 1))
         setattr(out[0], _TAG, (weakref.ref(self), True))  # what the model gets is complete
         return out
+
+    @property
+    def held(self) -> int:
+        """Tokens this layer holds now (all of them, or a window's worth for a sliding layer)."""
+        return 0 if self.sink_k is None else self.sink_k.shape[-2] + self.k_store.tokens + self.res_k.shape[-2]
+
+    def _forget(self, n: int) -> None:
+        """Drop the oldest ``n`` tokens: whole groups from the quantized body, then from the residual.
+
+        A token group that still holds a token inside the window stays whole, so a token-grouped
+        format may hold up to ``group - 1`` tokens more than the window (the mask hides them).
+        """
+        if n <= 0:
+            return
+        chunk = math.lcm(self.k_store.chunk, self.v_store.chunk)
+        body = min(n, self.k_store.tokens) // chunk * chunk
+        self.k_store.drop_front(body)
+        self.v_store.drop_front(body)
+        if self.k_store.tokens == 0:
+            rest = n - body
+            self.res_k, self.res_v = self.res_k[..., rest:, :], self.res_v[..., rest:, :]
 
     def _attends_now(self) -> bool:
         """True while the model that last attended through this layer still uses the "kvlab" implementation."""
@@ -192,10 +220,14 @@ class KVQuantLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        # the tokens held are the last `held` of `cumulative_length`: their absolute positions start there
+        return self.held + query_length, self.cumulative_length - self.held
+
+    def get_max_length(self) -> int:
+        return self.window if self.window else -1
 
     def reset(self) -> None:
-        self.__init__(self.fmt, self.quantize_prefill, self.kernel)
+        self.__init__(self.fmt, self.quantize_prefill, self.kernel, self.window)
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("KVQuantCache does not support beam search; use greedy or sampling")
@@ -227,6 +259,32 @@ def _kernel_mode(fmt: KVFormat, kernel):
     return kernel
 
 
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer, its sliding window in tokens (None: the layer attends to the whole context)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [kw.get("sliding_window") if t in ("sliding_attention", "chunked_attention") else None
+            for t, kw in zip(types, kwargs)]
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_formats(layer_formats, kernel) -> dict[str, KVFormat]:
+    """``{"sliding_attention" | "full_attention": format}`` checked; a type not named uses the cache's format."""
+    if layer_formats is None:
+        return {}
+    if not isinstance(layer_formats, dict) or set(layer_formats) - set(_LAYER_TYPES):
+        raise ValueError(f"layer_formats must map some of {_LAYER_TYPES} to formats, got {layer_formats!r}")
+    out = {t: get_format(f) for t, f in layer_formats.items()}
+    for f in out.values():
+        _kernel_mode(f, kernel)
+    return out
+
+
 class _LayerFactory:
     """Makes a cache's layers on demand. Holds the cache weakly: a closure over the cache would be a
     reference cycle, freed only by the garbage collector, so sweeps would pile up dead caches."""
@@ -236,7 +294,7 @@ class _LayerFactory:
 
     def __call__(self) -> KVQuantLayer:
         c = self.cache()
-        return KVQuantLayer(c.fmt, c.quantize_prefill, c.kernel)
+        return c._layer(None)
 
 
 class KVQuantCache(Cache):
@@ -254,35 +312,51 @@ class KVQuantCache(Cache):
     """
 
     def __init__(self, fmt: str | KVFormat = "fp16", num_layers: int | None = None, *,
-                 quantize_prefill: bool = True, kernel: bool | None = None):
+                 quantize_prefill: bool = True, kernel: bool | None = None, config=None,
+                 layer_formats: dict | None = None):
         self.fmt = get_format(fmt)
         if not isinstance(quantize_prefill, bool):
             raise TypeError(f"quantize_prefill must be a bool, got {quantize_prefill!r}")
         self._kernel = kernel = _kernel_mode(self.fmt, kernel)
         self.quantize_prefill = quantize_prefill
-        if num_layers is None:
+        self.layer_formats = _layer_formats(layer_formats, kernel)
+        if config is not None:  # one layer per decoder layer, windowed where the model's layer is
+            windows = layer_windows(config)
+            if num_layers is not None and num_layers != len(windows):
+                raise ValueError(f"num_layers={num_layers} but the config has {len(windows)} layers")
+            super().__init__(layers=[self._layer(w) for w in windows])
+        elif num_layers is None:
             super().__init__(layer_class_to_replicate=_LayerFactory(self))
         else:
             if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
                 raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-            super().__init__(layers=[KVQuantLayer(self.fmt, quantize_prefill, kernel) for _ in range(num_layers)])
+            super().__init__(layers=[self._layer(None) for _ in range(num_layers)])
+
+    def _layer(self, window: int | None) -> KVQuantLayer:
+        fmt = self.layer_formats.get("sliding_attention" if window else "full_attention", self.fmt)
+        return KVQuantLayer(fmt, self.quantize_prefill, self._kernel, window)
 
     @classmethod
-    def from_prefill(cls, fmt: str | KVFormat, prefill, *, kernel: bool | None = None) -> KVQuantCache:
+    def from_prefill(cls, fmt: str | KVFormat, prefill, *, kernel: bool | None = None,
+                     layer_formats: dict | None = None) -> KVQuantCache:
         """A cache in ``fmt`` holding the K and V of a full-precision prefill.
 
         ``prefill`` is a ``transformers`` cache (e.g. the ``DynamicCache`` a forward
         pass filled). This is how a serving engine stores a fresh prompt: attention
         during the prefill used the full-precision K and V, and only the stored copy
         is quantized; every later decode step reads it back. One prefill can fill
-        caches in many formats.
+        caches in many formats. Sliding-window layers stay sliding, at the same positions.
         """
         layers = getattr(prefill, "layers", None)
         if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
             raise ValueError("prefill must be a transformers cache that a forward pass has filled")
-        cache = cls(fmt, quantize_prefill=False, kernel=kernel)
+        cache = cls(fmt, quantize_prefill=False, kernel=kernel, layer_formats=layer_formats)
+        cache.layers = [cache._layer(getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False)
+                                     else None) for layer in layers]
         for i, layer in enumerate(layers):
             cache.update(layer.keys, layer.values, i)
+            # a windowed prefill layer holds only its last tokens: keep their true positions
+            cache.layers[i].cumulative_length = layer.get_seq_length()
         return cache
 
     @property

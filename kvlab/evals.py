@@ -150,12 +150,25 @@ def _last_logits(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor):
+def run_prompt(model, input_ids: torch.Tensor, cache, chunk: int | None = None) -> torch.Tensor:
+    """Feed ``input_ids`` into ``cache``, ``chunk`` tokens per forward (all at once by default), as an engine's
+    chunked prefill does; the logits of the last position. Chunks keep a 32k prompt's attention scores small."""
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
+    n = input_ids.shape[1]
+    step = chunk or n
+    for s in range(0, n, step):
+        logits = _last_logits(model, input_ids[:, s:s + step], cache)
+    return logits
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, chunk: int | None = None):
     """Full-precision prefill: ``(DynamicCache, logits of the last position)``, shared by every format."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config) if hasattr(model.config, "num_hidden_layers") else DynamicCache()
-    return cache, _last_logits(model, input_ids, cache)
+    return cache, run_prompt(model, input_ids, cache, chunk)
 
 
 @torch.no_grad()

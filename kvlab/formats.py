@@ -22,6 +22,8 @@ Granularity names the set of values that share one scale (and zero point):
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field, replace
 
 from .paths import PRESETS_DIR
@@ -173,6 +175,8 @@ for _fmt in (
     _same("int8_tensor", _q("int8"), source="symmetric INT8, one scale per tensor"),
     _same("int4", _q("int4", "group", 64, symmetric=False),
           source="asymmetric INT4, fp16 scale and zero per 64 values along head_dim (4.5 bits)"),
+    _same("int4_g16", _q("int4", "group", 16, symmetric=False),
+          source="asymmetric INT4, fp16 scale and zero per 16 values along head_dim (6 bits)"),
     _same("int4_token", _q("int4", "token"), source="symmetric INT4, one fp16 scale per token and head"),
     _same("int4_tensor", _q("int4"), source="symmetric INT4, one scale per tensor"),
     _same("q8_0", _q("int8", "group", 32),
@@ -202,15 +206,35 @@ for _fmt in (
 
 
 def get_format(fmt: str | KVFormat) -> KVFormat:
-    """Look a format up by name (or pass a :class:`KVFormat` through)."""
+    """Look a format up by name (or pass a :class:`KVFormat` through).
+
+    A preset's name may carry the options :meth:`KVFormat.with_options` writes into names:
+    ``"int4_token+sinks4"``, ``"int4_token+residual128"``, ``"kivi-2+rotate"``.
+    """
     if isinstance(fmt, KVFormat):
         return fmt
     if not isinstance(fmt, str):
         raise TypeError(f"kv format must be a name or a KVFormat, got {type(fmt).__name__}")
     key = fmt.strip().lower()
-    if key not in FORMATS:
-        raise ValueError(f"unknown KV format {fmt!r}; choose one of: {', '.join(format_names())}")
-    return FORMATS[key]
+    if key in FORMATS:
+        return FORMATS[key]
+    base, *opts = key.split("+")
+    if base not in FORMATS:
+        raise ValueError(f"unknown KV format {fmt!r}; choose one of: {', '.join(format_names())} "
+                         "(optionally with +sinksN, +residualN or +rotate)")
+    out = FORMATS[base]
+    for opt in opts:
+        m = re.fullmatch(r"(sinks|residual)(\d{1,6})|rotate", opt)
+        if not m:
+            raise ValueError(f"unknown option {opt!r} in KV format {fmt!r}: use +sinksN, +residualN or +rotate")
+        out = out.with_options(rotate=True) if opt == "rotate" else out.with_options(**{m[1]: int(m[2])})
+    return out
+
+
+def mitigations() -> list[KVFormat]:
+    """INT4 variants with one mitigation each: sinks, a residual window, rotation, smaller groups."""
+    return [get_format(n) for n in ("int4_token+sinks4", "int4_token+residual128", "int4_token+rotate",
+                                    "int4_tensor+rotate", "kivi-2+rotate", "int4_g16")]
 
 
 def format_names() -> list[str]:

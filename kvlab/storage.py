@@ -206,6 +206,24 @@ class KVStore:
         if self.zero is not None:
             self.zero[:, :, rows] = qt.zero.reshape(B, H, n // g, -1)
 
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest ``n`` tokens (a multiple of :attr:`chunk`), as a sliding-window layer does.
+
+        What remains moves to the front of the buffers; frozen statistics are kept.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.tokens or n % self.chunk:
+            raise ValueError(f"n must be a multiple of {self.chunk} in [0, {self.tokens}], got {n!r}")
+        if n == 0:
+            return
+        keep = self.tokens - n
+        self.codes[:, :, :keep] = self.codes[:, :, n:self.tokens].clone()
+        if _grows(self.q):
+            g = self.chunk
+            for t in (self.scale, self.zero):
+                if t is not None:
+                    t[:, :, :keep // g] = t[:, :, n // g:self.tokens // g].clone()
+        self.tokens = keep
+
     # ------------------------------------------------------------------ read
     def view(self, start: int = 0, end: int | None = None) -> QTensor:
         """Tokens ``[start, end)`` as a :class:`~kvlab.quant.QTensor` (views, no copy)."""

@@ -68,6 +68,11 @@ def _encode(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False) if hasattr(tok, "encode") else tok(text)
 
 
+def bos(tok) -> list[int]:
+    """The tokens the tokenizer puts before a text (Gemma's ``<bos>``; none for SmolLM2 or kvlab-tiny)."""
+    return tok.encode("", add_special_tokens=True) if hasattr(tok, "encode") else []
+
+
 def random_key(rng: random.Random, digits: int = 5) -> str:
     first = str(rng.randint(1, 9))
     return first + "".join(str(rng.randint(0, 9)) for _ in range(digits - 1))
@@ -91,12 +96,24 @@ def _boundaries(tok, hay: list[int]) -> list[int]:
     return [0, *ends]
 
 
-def prose_tokens(tok, text: str | None = None) -> list[int]:
-    """Held-out English prose as one token list, to cut haystacks from (the project's held-out corpus by default)."""
-    if text is None:
-        import gzip
+CORPUS_SOURCE = ("English docstrings of CPython's standard library (Python Software Foundation License), "
+                 "collected by scripts/build_corpus.py")
 
-        text = gzip.open(CORPUS_DIR / "heldout.txt.gz", "rt").read()
+
+def corpus_text(split: str = "heldout") -> str:
+    """The project's English corpus (:data:`CORPUS_SOURCE`): ``"heldout"`` (every 10th module), ``"train"`` or ``"all"``."""
+    import gzip
+
+    if split not in ("heldout", "train", "all"):
+        raise ValueError(f"split must be 'heldout', 'train' or 'all', got {split!r}")
+    parts = ("heldout", "train") if split == "all" else (split,)
+    return "\n".join(gzip.open(CORPUS_DIR / f"{p}.txt.gz", "rt").read() for p in parts)
+
+
+def prose_tokens(tok, text: str | None = None) -> list[int]:
+    """English text as one token list, to cut haystacks from (the project's held-out corpus by default)."""
+    if text is None:
+        text = corpus_text("heldout")
     return _encode(tok, "\n" + text.replace("\n\n", "\n"))
 
 
@@ -112,7 +129,7 @@ def passkey(tok, length: int, depth: float, rng: random.Random, key: str | None 
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     key = key or random_key(rng)
-    intro, question = _encode(tok, INTRO), _encode(tok, QUESTION)
+    intro, question = bos(tok) + _encode(tok, INTRO), _encode(tok, QUESTION)
     needle = _encode(tok, NEEDLE.format(key=key))
     answer = _encode(tok, " " + key)
     n_fill = length - len(intro) - len(needle) - len(question)
@@ -207,7 +224,7 @@ def variable_chain(tok, length: int, depth_spread: float, rng: random.Random, ho
     facts = [_encode(tok, f" Link {a} {b}.") for a, b in zip(names, names[1:])]
     facts.append(_encode(tok, f" Value {names[-1]} {key}."))
     rng.shuffle(facts)
-    intro = _encode(tok, "\nFollow the links in the text below from the first name to its number.")
+    intro = bos(tok) + _encode(tok, "\nFollow the links in the text below from the first name to its number.")
     question = _encode(tok, f" Trace {names[0]}:")
     answer_text = "".join(f" {n}" for n in names[1:]) + f" {key}."
     answer = _encode(tok, answer_text)

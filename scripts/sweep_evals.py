@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvlab import evals  # noqa: E402
 from kvlab.env import cpu_model  # noqa: E402
-from kvlab.formats import KVFormat, Quantizer, format_names, get_format  # noqa: E402
+from kvlab.formats import KVFormat, format_names, get_format, mitigations  # noqa: E402
 from kvlab.models import DEFAULT_MODEL, load_model  # noqa: E402
 
 CORE = ["fp32", "fp8_e4m3", "int8", "int4_tensor", "int4_token", "int4", "q4_0", "kivi-2"]
@@ -43,19 +43,9 @@ CORE = ["fp32", "fp8_e4m3", "int8", "int4_tensor", "int4_token", "int4", "q4_0",
 CACHED = ["int4_token", "int4", "kivi-2", "int4_tensor", "fp8_e4m3", "int8", "q4_0"]
 
 
-def mitigations() -> list[KVFormat]:
-    """INT4 variants with one mitigation each: sinks, a residual window, rotation, smaller groups."""
-    int4_token, int4_tensor, kivi2 = get_format("int4_token"), get_format("int4_tensor"), get_format("kivi-2")
-    g16 = Quantizer("int4", "group", 16, symmetric=False)
-    return [
-        int4_token.with_options(sinks=4), int4_token.with_options(residual=128), int4_token.with_options(rotate=True),
-        int4_tensor.with_options(rotate=True), kivi2.with_options(rotate=True),
-        KVFormat("int4_g16", g16, g16, source="asymmetric INT4, fp16 scale and zero per 16 values along head_dim (6 bits)"),
-    ]
-
-
 def all_formats() -> list[KVFormat]:
-    return [get_format(n) for n in format_names()] + mitigations()
+    """Every preset, then the INT4 mitigations (:func:`kvlab.formats.mitigations`), each once."""
+    return [get_format(n) for n in dict.fromkeys(format_names() + [f.name for f in mitigations()])]
 
 
 def machine() -> str:

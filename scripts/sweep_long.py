@@ -1,0 +1,181 @@
+"""Regenerate chapter 4's long-context data: every KV format on identical prompts from 1k to 32k tokens.
+
+The long-context model is Gemma 3 270M (32,768-token window); SmolLM2 (8,192) works too with
+``--model smollm2-135m --lengths 1024 4096 8192``. One JSON object per prompt is appended to
+``--out`` (JSON Lines) as soon as it is measured, so an interrupted run loses at most the prompt in
+flight, and ``--resume`` (the default when the file exists) skips every prompt already there.
+
+Stages, in the order they run (the first answers the headline question soonest):
+
+1. ``filler``: passkey in repeated filler sentences, the prompt attending in full precision and only
+   the stored cache quantized (``transformers``' ``QuantizedCache`` does this); one chunked prefill per
+   prompt serves every format, and each format's answer is decoded greedily from its own cache;
+2. ``prose``: the same in English text (:data:`kvlab.tasks.CORPUS_SOURCE`, or ``--haystack-file``);
+3. ``cached``: the prompt itself reading the quantized cache chunk by chunk (vLLM V1 and llama.cpp
+   write K and V to the cache before attending), one prefill per format, at 8k and 32k.
+
+Each record holds ``correct[format]`` (exact match of the 5-digit key), so any two formats can be
+compared prompt by prompt (exact McNemar: :func:`kvlab.results.mcnemar`).
+
+    python scripts/sweep_long.py                 # the shipped sweep (many hours on 2 CPU cores; resumable)
+    python scripts/sweep_long.py --quick --out /tmp/q.jsonl   # a smoke test of a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+LENGTHS = [1024, 4096, 8192, 32768, 16384]  # 32k before 16k: the headline first
+CORE = ["fp32", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "int4_tensor", "q4_0", "kivi-4", "kivi-2"]
+CACHED = ["fp8_e4m3", "int8", "q4_0", "int4_token"]
+CACHED_LENGTHS = [8192, 32768]
+# per-layer-type mixes on a hybrid model: INT4 only where the layer attends globally, or only on the windows
+MIXED = {"int4_token@global": ("fp32", {"full_attention": "int4_token"}),
+         "int4_token@sliding": ("fp32", {"sliding_attention": "int4_token"})}
+
+
+def formats(quick: bool):
+    from kvlab.formats import get_format, mitigations
+
+    if quick:
+        return {n: (get_format(n), None) for n in ("fp32", "int8", "int4_token")}
+    out = {n: (get_format(n), None) for n in CORE}
+    out |= {f.name: (f, None) for f in mitigations()}
+    out |= {n: (get_format(base), {t: get_format(f) for t, f in mix.items()}) for n, (base, mix) in MIXED.items()}
+    return out
+
+
+def check_out(path: Path) -> None:
+    """Refuse an --out that cannot hold results before any work is done."""
+    if path.exists() and not path.is_file():
+        raise SystemExit(f"sweep_long.py: error: --out {path} exists and is not a regular file")
+    if not path.parent.is_dir():
+        raise SystemExit(f"sweep_long.py: error: --out's folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise SystemExit(f"sweep_long.py: error: --out {path} is not writable")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gemma3-270m")
+    p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "long_sweep.jsonl")
+    p.add_argument("--lengths", type=int, nargs="+", default=None)
+    p.add_argument("--per-depth", type=int, default=5, help="prompts per (length, depth); 5 depths")
+    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens")
+    p.add_argument("--haystack-file", type=Path, default=None,
+                   help="a UTF-8 text file to cut the prose haystack from (default: the project's corpus)")
+    p.add_argument("--stages", nargs="+", default=["filler", "prose", "cached"],
+                   choices=["filler", "prose", "cached"])
+    p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
+    args = p.parse_args(argv)
+    for name in ("per_depth", "chunk"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.lengths and any(n < 64 for n in args.lengths):
+        p.error("--lengths must be at least 64 tokens each")
+    check_out(args.out)
+    if args.haystack_file is not None and not args.haystack_file.is_file():
+        p.error(f"--haystack-file {args.haystack_file} is not a readable file")
+
+    import torch
+    import transformers
+
+    from kvlab import evals, tasks
+    from kvlab.cache import KVQuantCache
+    from kvlab.env import cpu_model
+    from kvlab.models import load_model
+
+    lengths = args.lengths or ([256, 1024] if args.quick else LENGTHS)
+    depths = [0.0, 1.0] if args.quick else DEPTHS
+    per_depth = 1 if args.quick else args.per_depth
+    fmts = formats(args.quick)
+    model, tok = load_model(args.model)
+    window = getattr(model.config, "max_position_embeddings", None)
+    if window and max(lengths) > window:
+        p.error(f"--lengths: {max(lengths)} tokens is past {args.model}'s {window}-token window")
+    text = args.haystack_file.read_text(encoding="utf-8") if args.haystack_file else tasks.corpus_text("all")
+    hay = tasks.prose_tokens(tok, text)
+    if len(hay) < max(lengths):
+        p.error(f"the haystack text has {len(hay)} tokens, fewer than {max(lengths)}")
+
+    header = {"kind": "header", "model": args.model, "depths": depths, "per_depth": per_depth,
+              "formats": {n: {"source": f.source, "bits_per_element": f.bits_per_element(model.config.head_dim),
+                              "layer_formats": {t: g.name for t, g in (mix or {}).items()}}
+                          for n, (f, mix) in fmts.items()},
+              "haystacks": {"filler": "repeated filler sentences (kvlab.tasks.FILLER)",
+                            "prose": str(args.haystack_file) if args.haystack_file else tasks.CORPUS_SOURCE},
+              "chunk": args.chunk, "task": "passkey (5 digits, greedy exact match)"}
+    done = set()
+    if args.out.exists() and args.out.stat().st_size:
+        lines = [json.loads(x) for x in args.out.read_text().splitlines() if x.strip()]
+        old = lines[0]
+        if any(old.get(k) != header[k] for k in ("model", "depths", "per_depth", "formats", "haystacks")):
+            p.error(f"{args.out} holds a different sweep (model, depths, formats or haystack); move it away first")
+        done = {(r["stage"], r["length"], r["depth"], r["index"]) for r in lines[1:]}
+        print(f"resuming: {len(done)} prompts already measured", flush=True)
+    machine = (f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads")
+    with args.out.open("a") as f:
+        def write(rec):
+            f.write(json.dumps(rec, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+        if not done and args.out.stat().st_size == 0:
+            write(header | {"machine": machine, "torch": torch.__version__,
+                            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")})
+        plan = [(s, n) for s in ("filler", "prose") if s in args.stages for n in lengths]
+        if "cached" in args.stages:
+            plan += [("cached", n) for n in (CACHED_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
+        for stage, n in plan:
+            make = (lambda t, n_, d, r: tasks.passkey(t, n_, d, r, haystack=hay)) if stage == "prose" \
+                else tasks.passkey
+            seed = 1 if stage == "prose" else 0
+            for d in depths:
+                todo = [i for i in range(per_depth) if (stage, n, float(d), i) not in done]
+                if not todo:
+                    continue
+                exs = evals.sweep_prompts(make, tok, n, d, per_depth, seed=seed)
+                for i in todo:
+                    t0 = time.time()
+                    ex = exs[i]
+                    ids = torch.tensor([ex.input_ids])
+                    want = torch.tensor([ex.answer_ids])
+                    correct, text_fp32 = {}, None
+                    if stage == "cached":
+                        for name in (CACHED if not args.quick else list(fmts)[1:]):
+                            cache = KVQuantCache(name, quantize_prefill=True, config=model.config)
+                            first = evals.run_prompt(model, ids, cache, args.chunk)
+                            gen = evals.decode(model, cache, first, want.shape[1], want)
+                            correct[name] = gen[0].tolist() == ex.answer_ids
+                    else:
+                        dyn, first = evals.prefill(model, ids, args.chunk)
+                        for name, (fmt, mix) in fmts.items():
+                            cache = KVQuantCache.from_prefill(fmt, dyn, layer_formats=mix)
+                            gen = evals.decode(model, cache, first, want.shape[1], None if name == "fp32" else want)
+                            correct[name] = gen[0].tolist() == ex.answer_ids
+                            if name == "fp32":
+                                text_fp32 = tok.decode([t for t in gen[0].tolist() if t >= 0])
+                    rec = {"stage": stage, "haystack": "prose" if stage == "prose" else "filler",
+                           "prefill": "cached" if stage == "cached" else "full", "length": n, "depth": float(d),
+                           "index": i, "key": ex.answer, "correct": correct,
+                           "seconds": round(time.time() - t0, 1)}
+                    if text_fp32 is not None:
+                        rec["fp32_answer"] = text_fp32
+                    write(rec)
+                    ok = sum(correct.values())
+                    print(f"{stage} {n} d={d} #{i}: {ok}/{len(correct)} formats right, {rec['seconds']}s", flush=True)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
