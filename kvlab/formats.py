@@ -23,7 +23,6 @@ Granularity names the set of values that share one scale (and zero point):
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field, replace
 
 from .paths import PRESETS_DIR

@@ -10,7 +10,7 @@ The pieces live in modules of their own:
 * :func:`kvlab.widgets.cost_table_html` — the cost table as HTML.
 """
 
-from .evals import quality_by_length
+from .results import quality_by_length
 from .simulator import (
     BlockPool,
     CostModel,
@@ -18,13 +18,13 @@ from .simulator import (
     SimResult,
     block_hashes,
     cost_table,
+    cost_table_html,
     hit_rate_vs_pool,
     pool_blocks,
     request_from_tokens,
     simulate,
 )
 from .traces import load_trace
-from .widgets import cost_table_html
 from .workloads import (
     WORKLOADS,
     cost_split,

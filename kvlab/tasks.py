@@ -240,3 +240,10 @@ def variable_chain(tok, length: int, depth_spread: float, rng: random.Random, ho
     ids += hay[prev:] + question
     assert len(ids) == length
     return Example(ids, answer, answer_text.strip(), meta={"hops": hops, "names": names})
+
+
+def sweep_prompts(make, tok, length: int, depth: float, trials: int, seed: int = 0) -> list:
+    """The ``trials`` prompts a sweep uses at one (length, depth): every format, and every engine compared
+    with kvlab (``scripts/compare_engines.py``), sees exactly these. ``make`` is e.g. :func:`passkey`."""
+    rng = random.Random(f"{seed}-{length}-{float(depth)}")  # 0 and 0.0 give the same prompts
+    return [make(tok, length, depth, rng) for _ in range(trials)]

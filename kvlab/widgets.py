@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 
 from . import budget as B
 from .formats import get_format
+from .simulator import cost_table_html  # noqa: F401  (moved; re-exported)
 
 GiB = 1024**3
 CONTEXTS = [2**k for k in range(9, 21)]  # 512 .. 1M tokens
@@ -348,52 +349,6 @@ class SweepExplorer(_Panel):
 
     def widget(self):
         return w.VBox([w.HBox([self.kv_format, self.haystack]), self.fig, self.status])
-
-
-def cost_table_html(rows: list[dict]) -> str:
-    """:func:`cost_table` rows as an HTML table, scores under the quality threshold flagged in red.
-
-    With per-length quality (:func:`quality_by_length`) there is one column per context length;
-    with perplexity increases there is a perplexity column, red above its limit.
-    """
-    red = " style='color:#b00;font-weight:bold'"
-    with_ppl = any(r.get("ppl_increase") is not None for r in rows)
-
-    def ppl(r):
-        if not with_ppl:
-            return ""
-        v = r.get("ppl_increase")
-        return "<td>—</td>" if v is None else f"<td{'' if r['ppl_ok'] else red}>{v:+.0%}</td>"
-
-    ppl_head = "<th>perplexity</th>" if with_ppl else ""
-    per_length = [r for r in rows if isinstance(r["quality"], dict)]
-    if per_length:
-        lengths = sorted({n for r in per_length for n in r["quality"]})
-
-        def cell(r, n):
-            v = r["quality"].get(n) if isinstance(r["quality"], dict) else None
-            if v is None:
-                return "<td>—</td>"
-            return f"<td{'' if r['ok'][n] else red}>{v:.0%}</td>"
-
-        head = "".join(f"<th>{n}</th>" for n in lengths)
-        body = "".join(
-            f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
-            + ppl(r) + "".join(cell(r, n) for n in lengths) + "</tr>" for r in rows)
-        note = " Perplexity: increase over full precision; red: above its limit." if with_ppl else ""
-        return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + ppl_head + head + "</tr>" + body
-                + "</table><p>Passkey exact match per context length (tokens); red: under the threshold." + note
-                + "</p>")
-
-    def flag(r):
-        return "—" if r["ok"] is None else ("ok" if r["ok"] else "<b style='color:#b00'>below threshold</b>")
-
-    cells = "".join(
-        f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
-        f"{ppl(r)}<td>{'' if r['quality'] is None else format(r['quality'], '.0%')}</td><td>{flag(r)}</td></tr>"
-        for r in rows)
-    return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + ppl_head
-            + "<th>quality</th><th></th></tr>" + cells + "</table>")
 
 
 class CostQualityTable(_Panel):

@@ -41,3 +41,20 @@ def built_book(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("book")
     return out, book.build(out, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    """A randomly initialised 6-layer Gemma 3 (sliding windows of 8 tokens on 5 layers, one global): the
+    hybrid-attention code paths of the long-context model, in milliseconds."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+                           max_position_embeddings=4096, query_pre_attn_scalar=32)
+    model = Gemma3ForCausalLM(cfg).eval()
+    from kvlab.cache import use_kvlab_attention
+
+    use_kvlab_attention(model)
+    return model

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from transformers import DynamicCache, QuantizedCache
@@ -279,3 +281,84 @@ def test_review_findings_stay_fixed(kvlab_llama):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(NotImplementedError, match="cannot drop tokens"):
         a.layers[0].crop(3)
+
+
+# --------------------------------------------------------------------------- hybrid (sliding-window) models
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "kivi-2", "int4_token+sinks4"])
+def test_sliding_layers_keep_their_window_and_attend_like_transformers(tiny_gemma3, fmt):
+    """Gemma 3's windowed layers: a kvlab cache holds the window, not the context, and in fp32 its chunked
+    prefill and decode give transformers' own DynamicCache logits."""
+    from transformers import DynamicCache
+
+    from kvlab.cache import layer_windows
+
+    model = tiny_gemma3
+    wins = layer_windows(model.config)
+    assert wins.count(None) == 1 and set(wins) == {8, None}
+    ids = torch.randint(3, 300, (1, 40))
+    ref, ours = DynamicCache(config=model.config), KVQuantCache(fmt, config=model.config)
+    with torch.no_grad():
+        for s in range(0, 40, 16):  # chunked prefill, as engines do
+            a = model(ids[:, s:s + 16], past_key_values=ref).logits
+            b = model(ids[:, s:s + 16], past_key_values=ours).logits
+            if fmt == "fp32":
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        for _ in range(4):
+            nxt = a[:, -1:].argmax(-1)
+            a = model(nxt, past_key_values=ref).logits
+            b = model(nxt, past_key_values=ours).logits
+            if fmt == "fp32":
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    for w, layer in zip(wins, ours.layers):
+        assert layer.get_seq_length() == 44
+        if w is None:
+            assert layer.held == 44
+        else:  # a token-grouped format keeps whole groups: up to group - 1 tokens more
+            assert w <= layer.held < w + max(layer.k_store.chunk, layer.v_store.chunk)
+
+
+def test_from_prefill_keeps_windowed_positions(tiny_gemma3):
+    """A windowed prefill layer holds only its last tokens; the kvlab copy must keep their true positions."""
+    from kvlab import evals
+
+    ids = torch.randint(3, 300, (1, 30))
+    dyn, first = evals.prefill(tiny_gemma3, ids, chunk=7)
+    want = evals.decode(tiny_gemma3, dyn, first, 5)
+    dyn, first = evals.prefill(tiny_gemma3, ids, chunk=7)
+    got = evals.decode(tiny_gemma3, KVQuantCache.from_prefill("fp32", dyn), first, 5)
+    assert torch.equal(got, want)
+
+
+def test_layer_formats_apply_per_layer_type(tiny_gemma3):
+    ids = torch.randint(3, 300, (1, 24))
+    cache = KVQuantCache("fp32", config=tiny_gemma3.config, layer_formats={"full_attention": "int4_token"})
+    with torch.no_grad():
+        tiny_gemma3(ids, past_key_values=cache)
+    names = [layer.fmt.name for layer in cache.layers]
+    assert names == ["fp32"] * 5 + ["int4_token"]
+    with pytest.raises(ValueError, match="layer_formats"):
+        KVQuantCache("fp32", layer_formats={"global": "int8"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int4_token", "q4_0"])
+def test_gemma3_bytes_at_32k_match_the_budget(fmt):
+    """The shipped Gemma 3 270M preset: a kvlab cache filled to 32,768 tokens holds what chapter 1's
+    arithmetic says (windowed layers keep 512 tokens, the three global layers all of them)."""
+    from transformers import Gemma3TextConfig
+
+    from kvlab.budget import load_shape
+
+    preset = json.loads((B.PRESETS / "models" / "gemma-3-270m.json").read_text())["config"]
+    cfg = Gemma3TextConfig(**{k: v for k, v in preset.items() if k != "model_type"})
+    cache = KVQuantCache(fmt, config=cfg)
+    g = torch.Generator().manual_seed(0)
+    for i in range(cfg.num_hidden_layers):
+        for _ in range(4):  # 4 x 8192 tokens, as a chunked prefill delivers them
+            k = torch.randn(1, 1, 8192, 256, generator=g, dtype=torch.bfloat16)
+            cache.update(k, k, i)
+    want = B.budget("gemma-3-270m", 1, 32768, fmt)
+    assert cache.nbytes == want.cache_bytes
+    assert sum(layer.window is not None for layer in cache.layers) == 15
+    assert load_shape("gemma-3-270m").max_position_embeddings == 32768

@@ -1,0 +1,467 @@
+"""Shipped results, read without torch: intervals, paired tests, and the long-context sweep.
+
+Everything here is plain Python (plotly is imported only by the figure function), so reading
+a result answers at once, on any machine, without loading a model.
+
+**One decision rule** for every comparison of a format with full precision: the two are run on
+*identical prompts*, and the exact McNemar test on the discordant pairs decides (two-sided,
+:data:`ALPHA` = 0.05). A format is ``"worse"`` (or ``"better"``) only when that test rejects;
+otherwise it is ``"not distinguishable"`` at the number of prompts run. McNemar (1947) is the
+standard test for paired binary outcomes; the exact version is a binomial test on the pairs
+where the two disagree (Fagerland, Lydersen & Laake 2013, *BMC Med Res Methodol* 13:91).
+
+    >>> from kvlab import results
+    >>> results.mcnemar(0, 6)           # full precision right, format wrong on 6 prompts; never the reverse
+    0.03125
+    >>> results.verdict(0, 6)
+    'worse'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .paths import RESULTS_DIR
+
+ALPHA = 0.05  # the one significance level of the workbook's paired comparisons
+LONG_SWEEP = RESULTS_DIR / "long_sweep.jsonl"
+STAGES = ("filler", "prose", "cached")
+
+
+def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a proportion (95% by default): ``(low, high)``."""
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1 or not 0 <= correct <= trials:
+        raise ValueError(f"need 0 <= correct <= trials and trials >= 1, got {correct}/{trials}")
+    p, n = correct / trials, trials
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    lo = 0.0 if correct == 0 else max(0.0, mid - half)  # exact at the ends (no 1e-17 rounding residue)
+    hi = 1.0 if correct == trials else min(1.0, mid + half)
+    return lo, hi
+
+
+def _count(name: str, v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    return v
+
+
+def mcnemar(lost: int, gained: int) -> float:
+    """Two-sided exact McNemar p-value from the discordant pairs.
+
+    ``lost``: prompts full precision got right and the format got wrong; ``gained``: the reverse.
+    Under the null hypothesis each discordant pair goes either way with probability 1/2, so the
+    p-value is twice the binomial tail of the smaller count (capped at 1).
+    """
+    lost, gained = _count("lost", lost), _count("gained", gained)
+    n = lost + gained
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def verdict(lost: int, gained: int, alpha: float = ALPHA) -> str:
+    """``"worse"``, ``"better"`` or ``"not distinguishable"``: the workbook's one decision rule."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+    if mcnemar(lost, gained) >= alpha:
+        return "not distinguishable"
+    return "worse" if lost > gained else "better"
+
+
+def fewest_prompts_to_detect(alpha: float = ALPHA) -> int:
+    """The fewest discordant pairs (all one way) for which the exact test can reject at ``alpha``."""
+    n = 1
+    while mcnemar(n, 0) >= alpha:
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Paired:
+    """One format against the reference on the same prompts."""
+
+    fmt: str
+    reference: str
+    prompts: int
+    correct: int  # the format
+    ref_correct: int  # the reference
+    lost: int  # reference right, format wrong
+    gained: int  # format right, reference wrong
+
+    @property
+    def rate(self) -> float:
+        return self.correct / self.prompts
+
+    @property
+    def ref_rate(self) -> float:
+        return self.ref_correct / self.prompts
+
+    @property
+    def p(self) -> float:
+        return mcnemar(self.lost, self.gained)
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.lost, self.gained)
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return wilson(self.correct, self.prompts)
+
+
+class LongSweep:
+    """The long-context sweep (``scripts/sweep_long.py``): one record per prompt, every format's outcome.
+
+    >>> sweep = LongSweep.load()                       # data/results/long_sweep.jsonl
+    >>> sweep.paired("filler", "int4_token", 8192).verdict
+    """
+
+    def __init__(self, header: dict, records: list[dict]):
+        self.header, self.records = header, records
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> LongSweep:
+        """Read and check a sweep file; a malformed one is refused with the line that is wrong."""
+        path = Path(path) if path is not None else LONG_SWEEP
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_long.py to create it")
+        try:
+            lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not a JSON Lines sweep: {e}") from None
+        if not lines or not isinstance(lines[0], dict) or lines[0].get("kind") != "header":
+            raise ValueError(f"{path}: the first line must be the sweep's header")
+        header = lines[0]
+        fmts = header.get("formats")
+        if not isinstance(fmts, dict) or not fmts:
+            raise ValueError(f"{path}: the header names no formats")
+        for i, r in enumerate(lines[1:], start=2):
+            cls._check(r, fmts, f"{path}:{i}")
+        return cls(header, lines[1:])
+
+    @staticmethod
+    def _check(r, fmts: dict, where: str) -> None:
+        if not isinstance(r, dict):
+            raise ValueError(f"{where}: a record must be a JSON object")
+        if r.get("stage") not in STAGES:
+            raise ValueError(f"{where}: stage must be one of {STAGES}, got {r.get('stage')!r}")
+        for k in ("length", "index"):
+            _count(f"{where}: {k}", r.get(k))
+        d = r.get("depth")
+        if not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d <= 1:
+            raise ValueError(f"{where}: depth must be a number in [0, 1], got {d!r}")
+        c = r.get("correct")
+        if not isinstance(c, dict) or not c or any(not isinstance(v, bool) for v in c.values()):
+            raise ValueError(f"{where}: correct must map formats to true/false")
+        unknown = set(c) - set(fmts)
+        if unknown:
+            raise ValueError(f"{where}: formats {sorted(unknown)} are not in the header")
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def model(self) -> str:
+        return self.header["model"]
+
+    @property
+    def formats(self) -> list[str]:
+        return list(self.header["formats"])
+
+    def lengths(self, stage: str = "filler") -> list[int]:
+        return sorted({r["length"] for r in self.records if r["stage"] == stage})
+
+    def _by_prompt(self, stage: str, length: int) -> dict[tuple, dict]:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        return {(r["depth"], r["index"]): r["correct"] for r in self.records
+                if r["stage"] == stage and r["length"] == length}
+
+    def counts(self, stage: str, fmt: str, length: int) -> tuple[int, int]:
+        """``(correct, prompts)`` of ``fmt`` at ``length`` in ``stage``."""
+        outs = [c[fmt] for c in self._by_prompt(stage, length).values() if fmt in c]
+        return sum(outs), len(outs)
+
+    def paired(self, stage: str, fmt: str, length: int, reference: str = "fp32") -> Paired:
+        """``fmt`` against ``reference`` on the prompts both answered. In the ``"cached"`` stage the
+        reference's answers come from the ``"filler"`` stage: the same prompts, and a lossless cache
+        gives the same answer whichever way the prompt attends."""
+        mine = self._by_prompt(stage, length)
+        ref = self._by_prompt("filler", length) if stage == "cached" else mine
+        keys = [k for k in mine if fmt in mine[k] and k in ref and reference in ref[k]]
+        if not keys:
+            raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran at {length} tokens in {stage!r}")
+        a = [mine[k][fmt] for k in keys]
+        b = [ref[k][reference] for k in keys]
+        return Paired(fmt, reference, len(keys), sum(a), sum(b),
+                      lost=sum(y and not x for x, y in zip(a, b)), gained=sum(x and not y for x, y in zip(a, b)))
+
+    def table(self, stage: str = "filler", reference: str = "fp32") -> list[dict]:
+        """One row per (format, length) measured in ``stage``: rate, interval, and the paired verdict."""
+        rows = []
+        for fmt in self.formats:
+            for n in self.lengths(stage):
+                try:
+                    pr = self.paired(stage, fmt, n, reference)
+                except KeyError:
+                    continue
+                lo, hi = pr.interval
+                rows.append({"kv_format": fmt, "length": n, "prompts": pr.prompts, "correct": pr.correct,
+                             "rate": pr.rate, "lo": lo, "hi": hi, "ref_rate": pr.ref_rate, "lost": pr.lost,
+                             "gained": pr.gained, "p": pr.p, "verdict": pr.verdict})
+        return rows
+
+    def fails_at(self, stage: str, fmt: str, reference: str = "fp32") -> int | None:
+        """The shortest length at which ``fmt`` is ``"worse"`` than ``reference`` (None: at no length measured)."""
+        for n in self.lengths(stage):
+            try:
+                if self.paired(stage, fmt, n, reference).verdict == "worse":
+                    return n
+            except KeyError:
+                continue
+        return None
+
+    def figure(self, stage: str = "filler", formats: list[str] | None = None, reference: str = "fp32"):
+        """Exact match by context length, one line per format, 95% Wilson bars; a hollow marker where
+        the paired test finds the format worse than ``reference``."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for fmt in formats or self.formats:
+            rows = [r for r in self.table(stage, reference) if r["kv_format"] == fmt]
+            if not rows:
+                continue
+            fig.add_trace(go.Scatter(
+                x=[r["length"] for r in rows], y=[r["rate"] for r in rows], name=fmt, mode="lines+markers",
+                marker=dict(symbol=["circle-open" if r["verdict"] == "worse" else "circle" for r in rows], size=9),
+                error_y=dict(type="data", symmetric=False, array=[r["hi"] - r["rate"] for r in rows],
+                             arrayminus=[r["rate"] - r["lo"] for r in rows], thickness=1),
+                customdata=[[r["prompts"], r["verdict"], r["p"]] for r in rows],
+                hovertemplate="%{x} tokens: %{y:.0%} of %{customdata[0]} prompts<br>"
+                              "%{customdata[1]} (McNemar p=%{customdata[2]:.3f})<extra>" + fmt + "</extra>"))
+        fig.update_layout(xaxis=dict(type="log", title="context (tokens)"),
+                          yaxis=dict(title="passkey exact match", range=[-0.05, 1.05], tickformat=".0%"),
+                          title=f"{self.model}, {stage} haystack: hollow = worse than {reference} (paired, p < {ALPHA})",
+                          height=420, margin=dict(t=50, b=40), legend=dict(orientation="h", y=-0.2))
+        return fig
+
+
+# --------------------------------------------------------------------------- per-cell results
+
+@dataclass
+class EvalResult:
+    """Exact-match counts per (length, depth) cell of one task, model and KV format."""
+
+    task: str
+    model: str
+    kv_format: str
+    rows: list[dict] = field(default_factory=list)  # {length, depth, trials, correct}
+    meta: dict = field(default_factory=dict)
+
+    def accuracy(self, length: int | None = None, depth: float | None = None, min_length: int | None = None) -> float:
+        """Exact match pooled over the cells that match (all of them by default)."""
+        rows = [r for r in self.rows if (length is None or r["length"] == length)
+                and (depth is None or r["depth"] == depth) and (min_length is None or r["length"] >= min_length)]
+        if not rows:
+            raise KeyError(f"no cells for length={length}, depth={depth}, min_length={min_length}")
+        return sum(r["correct"] for r in rows) / sum(r["trials"] for r in rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        return sorted({r["length"] for r in self.rows})
+
+    @property
+    def depths(self) -> list[float]:
+        return sorted({r["depth"] for r in self.rows})
+
+    def grid(self) -> list[list[float]]:
+        """Exact match, rows = depths, columns = lengths."""
+        return [[self.accuracy(n, d) for n in self.lengths] for d in self.depths]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> EvalResult:
+        doc = json.loads(Path(path).read_text())
+        missing = {"task", "model", "kv_format", "rows"} - set(doc)
+        if missing:
+            raise ValueError(f"{path} is not an EvalResult (missing {sorted(missing)})")
+        return cls(**doc)
+
+    def figure(self, title: str | None = None):
+        import plotly.graph_objects as go
+
+        fig = go.Figure(go.Heatmap(
+            z=self.grid(), x=[str(n) for n in self.lengths], y=[f"{d:.2f}" for d in self.depths],
+            zmin=0, zmax=1, colorscale="RdYlGn", colorbar=dict(title="exact match"),
+            text=[[f"{v:.0%}" for v in row] for row in self.grid()], texttemplate="%{text}"))
+        fig.update_layout(title=title or f"{self.task}: {self.kv_format}", xaxis_title="context (tokens)",
+                          yaxis_title="needle depth", height=320, margin=dict(t=40, b=40))
+        return fig
+
+
+# --------------------------------------------------------------------------- chapter 4's SmolLM2 sweep
+
+SWEEP_PATH = RESULTS_DIR / "eval_sweep.json"
+
+
+def load_sweep(path: str | Path | None = None) -> dict:
+    """Chapter 4's full sweep (``scripts/sweep_evals.py``): per format, every rung of the eval ladder.
+
+    Each format's passkey cells come back as :class:`EvalResult` objects too:
+    ``passkey_result`` (filler haystack) and ``prose_result`` (held-out prose).
+    """
+    path = Path(path) if path is not None else SWEEP_PATH
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_evals.py to create it")
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a JSON eval sweep: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("formats"), dict):
+        raise ValueError(f"{path} is not an eval sweep (no 'formats' mapping)")
+    model = doc.get("model", "?")
+    for name, row in doc["formats"].items():
+        row["passkey_result"] = EvalResult("passkey", model, name, row.get("passkey", []))
+        row["prose_result"] = EvalResult("passkey", model, name, row.get("passkey_prose", []))
+    return doc
+
+
+def counts(rows: list[dict], length: int | None = None, min_length: int | None = None) -> tuple[int, int]:
+    """``(correct, trials)`` pooled over the cells of ``rows`` at ``length`` (or at every length >= ``min_length``)."""
+    cells = [r for r in rows if (length is None or r["length"] == length)
+             and (min_length is None or r["length"] >= min_length)]
+    return sum(r["correct"] for r in cells), sum(r["trials"] for r in cells)
+
+
+def rates_with_intervals(pairs: list[tuple[int, int]]) -> tuple[list[float], dict]:
+    """Rates of ``(correct, trials)`` pairs and a plotly ``error_y`` dict drawing their 95% Wilson intervals."""
+    rates = [c / t for c, t in pairs]
+    ci = [wilson(c, t) for c, t in pairs]
+    return rates, dict(type="data", symmetric=False, array=[hi - r for (_, hi), r in zip(ci, rates)],
+                       arrayminus=[r - lo for (lo, _), r in zip(ci, rates)])
+
+
+def falls_at(result: EvalResult, reference: EvalResult, drop: float = 0.2) -> int | None:
+    """The shortest context length where ``result`` is at least ``drop`` below ``reference`` (None: never)."""
+    if not 0 < drop <= 1:
+        raise ValueError(f"drop must be in (0, 1], got {drop!r}")
+    for n in result.lengths:
+        if n in reference.lengths and result.accuracy(n) <= reference.accuracy(n) - drop:
+            return n
+    return None
+
+
+def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str = "fp32") -> list[dict]:
+    """One row per format: what each rung of the eval ladder reports.
+
+    ``ppl_increase`` is relative to ``reference``; ``needle_short`` is passkey exact match at
+    ``short`` tokens and ``needle_long`` pools every length >= ``long_min`` (filler haystack),
+    each with its 95% Wilson interval (``*_lo``, ``*_hi``); ``prose_long`` is exact match at the
+    longest length swept in held-out prose (None where the format was not swept there); ``chain`` pools the multi-hop cells (None
+    where absent); ``kl``, ``top1`` and ``first_divergence`` come from the teacher comparison.
+    """
+    fmts = sweep["formats"]
+    if reference not in fmts:
+        raise KeyError(f"reference format {reference!r} is not in the sweep ({sorted(fmts)})")
+    base = fmts[reference]["perplexity"]
+    rows = []
+    for name, r in fmts.items():
+        (cs, ts), (cl, tl) = counts(r["passkey"], length=short), counts(r["passkey"], min_length=long_min)
+        if not ts or not tl:
+            raise KeyError(f"{name}: the sweep has no passkey cells at {short} or at >= {long_min} tokens")
+        prose = r.get("passkey_prose") or []
+        cp, tp = counts(prose, length=max(c["length"] for c in prose)) if prose else (0, 0)
+        chain = r.get("chain2") or []
+        rows.append({
+            "kv_format": name,
+            "bits": r["bits_per_element"],
+            "ppl_increase": r["perplexity"] / base - 1,
+            "needle_short": cs / ts, "needle_short_lo": wilson(cs, ts)[0], "needle_short_hi": wilson(cs, ts)[1],
+            "needle_long": cl / tl, "needle_long_lo": wilson(cl, tl)[0], "needle_long_hi": wilson(cl, tl)[1],
+            "prose_long": cp / tp if tp else None,
+            "chain": counts(chain)[0] / counts(chain)[1] if chain else None,
+            "kl": r["teacher"]["kl"],
+            "top1": r["teacher"]["top1_agreement"],
+            "first_divergence": r["teacher"]["mean_first_divergence"],
+        })
+    return rows
+
+
+_LADDER_COLUMNS = {"bits": "{:.2f}", "ppl_increase": "{:+.1%}", "needle_short": "{:.0%}", "needle_long": "{:.0%}",
+                   "prose_long": "{:.0%}", "chain": "{:.0%}", "kl": "{:.4f}", "top1": "{:.1%}",
+                   "first_divergence": "{:.1f}"}
+
+
+def ladder_markdown(ladder_rows: list[dict]) -> str:
+    """:func:`ladder` rows as a Markdown table (a dash where a rung was not measured)."""
+    cols = [c for c in _LADDER_COLUMNS if any(r.get(c) is not None for r in ladder_rows)]
+
+    def cell(r, c):
+        if r.get(c) is None:
+            return "—"
+        text = _LADDER_COLUMNS[c].format(r[c])
+        if f"{c}_lo" in r:  # a 95% interval beside the rate
+            text += f" ({r[c + '_lo']:.0%}–{r[c + '_hi']:.0%})"
+        return text
+
+    head = "| format | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols) + "\n"
+    return head + "\n".join(f"| {r['kv_format']} | " + " | ".join(cell(r, c) for c in cols) + " |"
+                             for r in ladder_rows)
+
+
+def cell_agreement(sweep: dict, reference: str = "fp32", tol: float = 0.25) -> float:
+    """Fraction of all formats' passkey cells within ``tol`` of the reference format's same cell."""
+    fmts = sweep["formats"]
+    if reference not in fmts:
+        raise KeyError(f"reference format {reference!r} is not in the sweep")
+    ref = EvalResult("passkey", "", reference, fmts[reference]["passkey"])
+    diffs = []
+    for name, r in fmts.items():
+        res = EvalResult("passkey", "", name, r["passkey"])
+        diffs += [abs(res.accuracy(c["length"], c["depth"]) - ref.accuracy(c["length"], c["depth"])) for c in r["passkey"]]
+    if not diffs:
+        raise ValueError("the sweep has no passkey cells")
+    return sum(d <= tol for d in diffs) / len(diffs)
+
+
+def trapped_formats(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min: float = 0.9,
+                      long_drop: float = 0.2, reference: str = "fp32") -> list[str]:
+    """Formats that pass the cheap rungs but fail the long one: the trap a short eval cannot see.
+
+    A format qualifies when its perplexity is within ``ppl_tol`` (relative) of ``reference``, its
+    short needle exact match is at least ``short_min``, and its long-context exact match is at
+    least ``long_drop`` below the reference's.
+    """
+    for name, v in (("ppl_tol", ppl_tol), ("short_min", short_min), ("long_drop", long_drop)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+    rows = {r["kv_format"]: r for r in ladder_rows}
+    if reference not in rows:
+        raise KeyError(f"reference format {reference!r} is not among the rows")
+    ref = rows[reference]["needle_long"]
+    return [n for n, r in rows.items() if r["ppl_increase"] <= ppl_tol and r["needle_short"] >= short_min
+            and r["needle_long"] <= ref - long_drop]
+
+
+def quality_by_length(sweep: dict, formats) -> dict[str, dict[int, float | None]]:
+    """Passkey exact match per format and context length, from chapter 4's ``eval_sweep.json``.
+
+    Every format gets every length the sweep measured (None where it measured no cell).
+    """
+    fmts = sweep.get("formats", {})
+    lengths = sorted({c["length"] for r in fmts.values() for c in r.get("passkey", [])})
+    out = {}
+    for fmt in formats:
+        cells = fmts.get(str(fmt), {}).get("passkey", [])
+        out[str(fmt)] = {}
+        for n in lengths:
+            at = [c for c in cells if c["length"] == n]
+            trials = sum(c["trials"] for c in at)
+            out[str(fmt)][n] = sum(c["correct"] for c in at) / trials if trials else None
+    return out
