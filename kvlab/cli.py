@@ -185,11 +185,19 @@ def cmd_niah(args) -> int:
         print("kvlab: error: --kv-format is required (or --endpoint URL to test a running server)", file=sys.stderr)
         return 2
     try:
+        text = None
+        if args.haystack_file is not None:
+            if args.task != "passkey":
+                raise ValueError("--haystack-file is for the passkey task")
+            try:
+                text = Path(args.haystack_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"--haystack-file {args.haystack_file}: cannot read it as UTF-8 text ({e})") from None
         model, tok = load_model(args.model)
         if args.task == "passkey":
             res = evals.passkey_sweep(model, tok, args.kv_format, args.lengths, args.depths, args.trials,
                                       seed=args.seed, progress=not args.json, prefill=args.prefill,
-                                      haystack=args.haystack)
+                                      haystack=args.haystack, haystack_text=text, chunk=args.chunk)
         else:
             res = evals.chain_sweep(model, tok, args.kv_format, args.lengths, args.depths or [1.0],
                                     hops=args.hops, trials=args.trials, seed=args.seed, progress=not args.json,
@@ -349,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("niah", help="needle-in-a-haystack (or multi-hop) exact match through a KV format")
     n.add_argument("--kv-format", type=_kv_format, help="KV format (see `kvlab formats`); required without --endpoint")
-    n.add_argument("--model", default=None, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
+    n.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
+                                                 "a model folder or a hub name")
     n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=[0.0, 0.5, 1.0], help="e.g. 0,0.5,1")
     n.add_argument("--trials", type=_int("--trials", 1), default=5, help="prompts per cell")
@@ -357,10 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--hops", type=_int("--hops", 1), default=2, help="links to follow (chain task)")
     n.add_argument("--seed", type=int, default=0)
     n.add_argument("--haystack", choices=["filler", "prose"], default="filler",
-                   help="repeated filler sentences, or held-out prose (passkey task)")
+                   help="repeated filler sentences, or English text (CPython's docstrings; passkey task)")
+    n.add_argument("--haystack-file", help="cut the haystack from this UTF-8 text file instead (e.g. text like "
+                                           "your own traffic; passkey task)")
+    n.add_argument("--chunk", type=_int("--chunk", 1), default=None,
+                   help="prefill this many tokens per forward, as engines do (e.g. 1024 for 32k prompts)")
     n.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: the prompt attends in full precision and only the stored cache is quantized "
-                        "(as vLLM does); cached: the prompt's own attention reads the quantized cache")
+                        "(as transformers' QuantizedCache does); cached: the prompt's own attention reads the "
+                        "quantized cache (as vLLM V1 and llama.cpp do)")
     n.add_argument("--out", help="save the result as JSON to this file (with --endpoint: default "
                                  "kvlab-endpoints.json, and a .requests.jsonl journal beside it that resumes a run)")
     n.add_argument("--json", action="store_true", help="print one JSON object")

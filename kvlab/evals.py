@@ -155,24 +155,33 @@ def greedy_through_cache(model, input_ids: torch.Tensor, fmt: str | KVFormat, n_
     return _generate(model, input_ids, [get_format(fmt)], n_new, prefill_mode)[get_format(fmt).name]
 
 
-def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None) -> dict[str, torch.Tensor]:
+def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None, chunk=None) -> dict[str, torch.Tensor]:
     """Greedy answers for every format from one prompt batch (one shared prefill in ``"full"`` mode)."""
     out = {}
     if prefill_mode == "full":
-        dyn, first = prefill(model, input_ids)
+        dyn, first = prefill(model, input_ids, chunk)
         for f in fmts:
             out[f.name] = decode(model, KVQuantCache.from_prefill(f, dyn), first, n_new, targets)
         return out
+    config = model.config if hasattr(model.config, "num_hidden_layers") else None
     for f in fmts:
-        cache = KVQuantCache(f, quantize_prefill=True)
-        out[f.name] = decode(model, cache, _last_logits(model, input_ids, cache), n_new, targets)
+        cache = KVQuantCache(f, quantize_prefill=True, config=config)
+        out[f.name] = decode(model, cache, run_prompt(model, input_ids, cache, chunk), n_new, targets)
     return out
 
 
+def check_lengths(model, lengths) -> None:
+    """Refuse context lengths past the model's positions (it would run, then answer nothing useful)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and max(lengths) > limit:
+        raise ValueError(f"lengths: {max(lengths)} tokens is past the model's {limit}-token window")
+
+
 def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_size, progress, prefill_mode,
-            meta=None) -> dict[str, EvalResult]:
+            meta=None, chunk=None) -> dict[str, EvalResult]:
     _check_args(lengths, depths, trials)
     _check_mode(prefill_mode)
+    check_lengths(model, lengths)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     fmts = _formats(fmts)
@@ -184,12 +193,12 @@ def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_s
         exs = sweep_prompts(make, tok, n, d, trials, seed)
         correct = dict.fromkeys(res, 0)
         for i in range(0, trials, batch_size):
-            chunk = exs[i : i + batch_size]
-            ids = torch.tensor([e.input_ids for e in chunk])
-            n_new = max(len(e.answer_ids) for e in chunk)
-            want = torch.tensor([e.answer_ids + [-2] * (n_new - len(e.answer_ids)) for e in chunk])
-            for name, gen in _generate(model, ids, fmts, n_new, prefill_mode, want).items():
-                correct[name] += sum(gen[j, : len(e.answer_ids)].tolist() == e.answer_ids for j, e in enumerate(chunk))
+            batch = exs[i : i + batch_size]
+            ids = torch.tensor([e.input_ids for e in batch])
+            n_new = max(len(e.answer_ids) for e in batch)
+            want = torch.tensor([e.answer_ids + [-2] * (n_new - len(e.answer_ids)) for e in batch])
+            for name, gen in _generate(model, ids, fmts, n_new, prefill_mode, want, chunk).items():
+                correct[name] += sum(gen[j, : len(e.answer_ids)].tolist() == e.answer_ids for j, e in enumerate(batch))
         for name, r in res.items():
             r.rows.append({"length": n, "depth": float(d), "trials": trials, "correct": correct[name]})
     for r in res.values():
@@ -198,24 +207,35 @@ def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_s
 
 
 def passkey_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(0.0, 0.5, 1.0), trials=5, seed=0,
-                   batch_size=5, progress=True, prefill="full", haystack="filler") -> dict[str, EvalResult]:
+                   batch_size=5, progress=True, prefill="full", haystack="filler", haystack_text: str | None = None,
+                   chunk: int | None = None) -> dict[str, EvalResult]:
     """Needle-in-a-haystack exact match for several formats on the same prompts: ``{format: EvalResult}``.
 
     In ``prefill="full"`` mode one full-precision prefill per prompt batch serves every
     format (see :func:`greedy_through_cache`). ``haystack="prose"`` cuts the haystack from
-    held-out text instead of repeating filler sentences.
+    held-out text (:data:`kvlab.tasks.CORPUS_SOURCE`) instead of repeating filler sentences;
+    ``haystack_text`` cuts it from your own text (say, logs of your traffic) instead.
+    ``chunk`` prefills that many tokens per forward, as engines do, so 32k fits on a laptop.
     """
     _check_mode(prefill, haystack)
-    hay = tasks.prose_tokens(tok) if haystack == "prose" else None
+    if haystack_text is not None:
+        if not isinstance(haystack_text, str) or not haystack_text.strip():
+            raise ValueError("haystack_text must be a non-empty string")
+        haystack = "text"
+    hay = tasks.prose_tokens(tok, haystack_text) if haystack in ("prose", "text") else None
+    if hay is not None and len(hay) < max(lengths):
+        raise ValueError(f"the haystack text has {len(hay)} tokens, fewer than the longest length {max(lengths)}")
     return _sweeps("passkey", lambda t, n, d, r: tasks.passkey(t, n, d, r, haystack=hay), model, tok, fmts,
-                   list(lengths), list(depths), trials, seed, batch_size, progress, prefill, {"haystack": haystack})
+                   list(lengths), list(depths), trials, seed, batch_size, progress, prefill, {"haystack": haystack},
+                   chunk)
 
 
 def passkey_sweep(model, tok, fmt="bf16", lengths=(512, 1024, 2048), depths=(0.0, 0.5, 1.0), trials=5,
-                  seed=0, batch_size=5, progress=True, prefill="full", haystack="filler") -> EvalResult:
+                  seed=0, batch_size=5, progress=True, prefill="full", haystack="filler",
+                  haystack_text: str | None = None, chunk: int | None = None) -> EvalResult:
     """Needle-in-a-haystack exact match over lengths x depths for one format (see :func:`passkey_sweeps`)."""
     return next(iter(passkey_sweeps(model, tok, [fmt], lengths, depths, trials, seed, batch_size, progress,
-                                    prefill, haystack).values()))
+                                    prefill, haystack, haystack_text, chunk).values()))
 
 
 def chain_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(1.0,), hops=2, trials=5, seed=0,

@@ -88,6 +88,36 @@ def test_niah_prose_haystack_runs_and_saves(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"][0]["trials"] == 2 and not list(tmp_path.glob("*.tmp"))
 
 
+def test_niah_haystack_file_and_chunked_prefill(tmp_path, capsys):
+    """A user's own text as the haystack, prefilled in chunks: the prompt is cut from that file."""
+    import json
+
+    from kvlab.cli import main
+
+    text = tmp_path / "mine.txt"
+    text.write_text("Our service answered the call. The queue drained slowly. " * 200)
+    assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--lengths", "256", "--depths", "0.5",
+                 "--trials", "2", "--haystack-file", str(text), "--chunk", "64", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["meta"]["haystack"] == "text" and doc["rows"][0]["trials"] == 2
+    for bad, why in ((tmp_path / "missing.txt", "cannot read"), (tmp_path, "cannot read")):
+        assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--lengths", "256",
+                     "--haystack-file", str(bad)]) == 2
+        assert why in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--lengths", "256",
+                 "--haystack-file", str(short)]) == 2
+    assert "fewer than the longest length" in capsys.readouterr().err
+
+
+def test_niah_refuses_lengths_past_the_models_window(capsys):
+    from kvlab.cli import main
+
+    assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--lengths", "100000"]) == 2
+    assert "past the model's" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["budget", "--model", "CONFIG", "--batch", "1", "--context", "8", "--gpu", "H100-80GB"], "num_key_value_heads must be > 0"),
     (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gpu", "H100-80GB", "--tp", "64"],
