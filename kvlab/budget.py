@@ -149,10 +149,19 @@ def _load_shape(model) -> ModelShape:
                       q_heads=shape.q_heads)
 
 
+# Sizes a config must state itself: transformers fills what is missing with a default model's
+# (32 layers x 4096 for "llama"), which would size a model nobody described.
+_STATED = (("num_hidden_layers", "n_layer", "num_layers"), ("num_attention_heads", "n_head"),
+           ("hidden_size", "head_dim", "n_embd", "kv_lora_rank"))
+
+
 def _config_from_dict(d: dict):
     from transformers import AutoConfig, PretrainedConfig
 
     d = {k: v for k, v in d.items() if not k.startswith("_")}
+    missing = [" / ".join(keys) for keys in _STATED if not any(k in d for k in keys)]
+    if missing:
+        raise ValueError(f"the config does not state {', '.join(missing)} (kvlab does not fill in defaults)")
     try:
         try:
             return AutoConfig.for_model(**d) if "model_type" in d else PretrainedConfig(**d)
@@ -392,7 +401,12 @@ def hourly_price(gpu, usd: float | None = None) -> float:
         return g.usd_per_hour
     if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not math.isfinite(usd) or usd <= 0:
         raise ValueError(f"gpu_hour_usd must be a positive finite number of dollars, got {usd!r}")
+    if usd > MAX_HOURLY_USD:  # costs multiply it by hours and GPUs: past this they overflow to inf
+        raise ValueError(f"gpu_hour_usd must be at most ${MAX_HOURLY_USD:,.0f} per GPU-hour, got {usd!r}")
     return float(usd)
+
+
+MAX_HOURLY_USD = 1e6  # a thousand times any listed rate
 
 
 def weights_bytes(model, weights_dtype: str = "bf16") -> int:

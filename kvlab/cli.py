@@ -84,11 +84,13 @@ def cmd_budget(args) -> int:
             kw = dict(tp=args.tp, memory_utilization=args.memory_utilization, block_size=args.block_size)
             out.update(
                 gpu=f.gpu, weights_dtype=args.weights_dtype, weights_bytes_per_gpu=f.weights_bytes_per_gpu,
-                usable_bytes_per_gpu=f.usable_bytes_per_gpu, free_bytes_per_gpu=f.free_for_cache_per_gpu,
+                usable_bytes_per_gpu=f.usable_bytes_per_gpu, free_bytes_per_gpu=max(0, f.free_for_cache_per_gpu),
                 fits=f.weights_fit and b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu,
                 max_concurrency=B.max_concurrency(args.model, args.context, b.kv_format, f.gpu, args.weights_dtype, **kw),
                 max_context=B.max_context(args.model, args.batch, b.kv_format, f.gpu, args.weights_dtype, **kw),
             )
+            if f.free_for_cache_per_gpu < 0:  # say how far the weights overflow, never a negative free size
+                out["weights_over_by_bytes"] = -f.free_for_cache_per_gpu
     except (ValueError, TypeError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2

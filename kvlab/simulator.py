@@ -45,6 +45,23 @@ class Request:
     rid: int = 0
     block_size: int | None = None  # tokens per hashed block (None: not recorded)
 
+    def __post_init__(self):
+        a = self.arrival
+        if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a):
+            raise ValueError(f"arrival must be a finite number of seconds, got {a!r}")
+        for name in ("prompt_len", "output_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a whole number of tokens >= 0, got {v!r}")
+        bs = self.block_size
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
+            raise ValueError(f"block_size must be a positive integer or None, got {bs!r}")
+        if not isinstance(self.prompt_hashes, list):
+            raise TypeError(f"prompt_hashes must be a list, got {type(self.prompt_hashes).__name__}")
+        if bs and len(self.prompt_hashes) > self.prompt_len // bs:
+            raise ValueError(f"{len(self.prompt_hashes)} prompt block hashes for {self.prompt_len} tokens in blocks "
+                             f"of {bs}: at most {self.prompt_len // bs}")
+
 
 def block_hashes(tokens: list[int], block_size: int, parent: int = 0) -> list[int]:
     """Chained hashes of the full blocks of ``tokens`` (a trailing partial block is not hashed)."""

@@ -172,9 +172,22 @@ def test_trace_paths_and_block_sizes(tmp_path):
 def test_simulator_inputs():
     with pytest.raises(ValueError, match="no requests"):
         S.simulate([], "llama-3.1-8b", "H100-80GB", "bf16")
-    bad = S.request_from_tokens(float("nan"), list(range(40)), [1], 16)
     with pytest.raises(ValueError, match="arrival must be a finite number"):
-        S.simulate([bad], "llama-3.1-8b", "H100-80GB", "bf16")
+        S.request_from_tokens(float("nan"), list(range(40)), [1], 16)
+
+
+@given(st.one_of(st.floats(allow_nan=False, allow_infinity=False).filter(lambda v: not v.is_integer()),
+                 st.booleans(), st.integers(max_value=-1), st.text(max_size=3)))
+def test_a_request_refuses_token_counts_that_are_not_whole(bad):
+    with pytest.raises(ValueError, match="prompt_len must be a whole number"):
+        S.Request(0.0, bad, 4, [])
+    with pytest.raises(ValueError, match="output_len must be a whole number"):
+        S.Request(0.0, 64, bad, [])
+
+
+def test_a_request_refuses_more_block_hashes_than_blocks():
+    with pytest.raises(ValueError, match="at most 4"):
+        S.Request(0.0, 64, 4, list(range(5)), block_size=16)
 
 
 def test_the_clock_starts_at_the_first_arrival():
