@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,13 +102,17 @@ def _load_shape_cached(model: str, mtime: float) -> ModelShape:
     return _load_shape(model)
 
 
-def _load_shape(model) -> ModelShape:
-    from transformers import PretrainedConfig
+def _is_hf_config(obj) -> bool:
+    """A ``transformers`` config, recognised without importing transformers (it takes seconds to import)."""
+    hf = sys.modules.get("transformers")
+    return hf is not None and isinstance(obj, hf.PretrainedConfig)
 
+
+def _load_shape(model) -> ModelShape:
     name, source, n_params = str(model), "", None
     if isinstance(model, ModelShape):
         return model
-    if isinstance(model, PretrainedConfig):
+    if _is_hf_config(model):
         cfg = model
         name = getattr(cfg, "_name_or_path", "") or cfg.model_type
     elif isinstance(model, dict):
@@ -120,7 +125,10 @@ def _load_shape(model) -> ModelShape:
             model = DATA / "model" / "config.json"
         if key in preset_names() and preset.exists():  # a name, never a path that walks out of presets/
             doc = json.loads(preset.read_text())
-            cfg = _config_from_dict(doc["config"])
+            # A preset states every size it needs (layer_types included), so it is read as it is, without
+            # importing transformers: `kvlab budget` answers at once (tests/test_budget.py checks that
+            # transformers reads each preset to the same shapes).
+            cfg = _plain_config(doc["config"])
             name, source, n_params = doc["name"], doc["source"], doc.get("num_parameters")
         else:
             path = Path(model)
@@ -155,13 +163,25 @@ _STATED = (("num_hidden_layers", "n_layer", "num_layers"), ("num_attention_heads
            ("hidden_size", "head_dim", "n_embd", "kv_lora_rank"))
 
 
-def _config_from_dict(d: dict):
-    from transformers import AutoConfig, PretrainedConfig
-
+def _check_stated(d: dict) -> dict:
     d = {k: v for k, v in d.items() if not k.startswith("_")}
     missing = [" / ".join(keys) for keys in _STATED if not any(k in d for k in keys)]
     if missing:
         raise ValueError(f"the config does not state {', '.join(missing)} (kvlab does not fill in defaults)")
+    return d
+
+
+def _plain_config(d: dict):
+    """A shipped preset's config as attributes, exactly as written (no defaults filled in)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**_check_stated(d))
+
+
+def _config_from_dict(d: dict):
+    from transformers import AutoConfig, PretrainedConfig
+
+    d = _check_stated(d)
     try:
         try:
             return AutoConfig.for_model(**d) if "model_type" in d else PretrainedConfig(**d)

@@ -330,3 +330,24 @@ def test_budget_cli_never_prints_a_negative_free_size(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["free_bytes_per_gpu"] == 0 and out["weights_over_by_bytes"] > 100 * 2**30 and not out["fits"]
+
+
+@pytest.mark.parametrize("name", [n for n in B.preset_names() if (B.PRESETS / "models" / f"{n}.json").exists()])
+def test_a_preset_reads_the_same_without_transformers(name):
+    """Presets are read as written (no transformers import); transformers must read each to the same shapes."""
+    doc = json.loads((B.PRESETS / "models" / f"{name}.json").read_text())
+    fast = B.shape_from_config(B._plain_config(doc["config"]), name)
+    assert fast == B.shape_from_config(B._config_from_dict(doc["config"]), name)
+    assert B.load_shape(name).layers == fast.layers
+
+
+def test_budget_and_serve_sim_on_presets_import_no_model_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvlab.cli import main; "
+            "main(['budget', '--model', 'gemma-2-9b', '--batch', '2', '--context', '8192', '--gpu', 'L4', '--json']); "
+            "main(['serve-sim', '--workload', 'rag', '--model', 'llama-3.1-8b', '--gpu', 'L4', '--json']); "
+            "print('LOADED', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "LOADED []"
