@@ -10,7 +10,8 @@ import warnings
 
 
 def _gpu_present() -> bool:
-    """An NVIDIA driver on this machine (the Makefile installs a CUDA build of torch exactly then)."""
+    """An NVIDIA driver on this machine: ``nvidia-smi`` (the Makefile's test for installing CUDA torch) or the
+    kernel driver's ``/proc`` entry. Without one, torch cannot use CUDA, so Triton must interpret."""
     if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return False
     return shutil.which("nvidia-smi") is not None or os.path.exists("/proc/driver/nvidia/version")

@@ -67,7 +67,6 @@ class KVQuantLayer(DynamicLayer):
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 2):
             raise ValueError(f"window must be an integer >= 2 or None, got {window!r}")
         self.window = window  # a sliding-window layer keeps its last `window` tokens (the mask hides the oldest)
-        self.is_sliding = window is not None
         self.fmt = get_format(fmt)
         self.quantize_prefill = quantize_prefill
         self.kernel = kernel  # None: the Triton kernel on CUDA for formats it reads; True/False: always/never
@@ -120,6 +119,10 @@ class KVQuantLayer(DynamicLayer):
             self._forget(self.held - self.window)
         setattr(out[0], _TAG, (weakref.ref(self), True))  # what the model gets is complete
         return out
+
+    @property
+    def is_sliding(self) -> bool:  # transformers reads it to pick each mask's layer
+        return self.window is not None
 
     @property
     def held(self) -> int:

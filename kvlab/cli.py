@@ -22,6 +22,7 @@ from pathlib import Path
 
 from . import budget as B
 from .formats import format_names, get_format
+from .paths import out_problem
 
 
 class _Parser(argparse.ArgumentParser):
@@ -163,19 +164,11 @@ def _depth_list(text):
     return vals
 
 
-def _check_out(path) -> str | None:
-    """Why ``--out`` cannot be written (checked before a long run, not after it), or None."""
-    out = Path(path)
-    if out.is_dir() or not out.parent.is_dir():
-        return f"--out {path}: " + ("is a directory" if out.is_dir() else f"folder {str(out.parent)!r} does not exist")
-    return None
-
-
 def cmd_niah(args) -> int:
     from . import evals
     from .models import load_model
 
-    if args.out and (why := _check_out(args.out)):
+    if args.out and (why := out_problem(args.out)):
         print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
     if args.endpoint:

@@ -67,7 +67,7 @@ def _quality(sweep: dict | None, fmt: str) -> dict:
     """Chapter 4's measurements for ``fmt``: exact match at the sweep's lengths, perplexity cost, fp32's curve."""
     if sweep is None or fmt not in sweep.get("formats", {}):
         return {"measured": False}
-    from .evals import ladder, quality_by_length
+    from .results import ladder, quality_by_length
 
     q = quality_by_length(sweep, [fmt])[fmt]
     lengths = sorted(n for n, v in q.items() if v is not None)
@@ -80,7 +80,7 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
             tp: int = 1, memory_utilization: float = 0.9, sweep: dict | None = None, endpoint_hint: str = "URL") -> list[dict]:
     """One row per format for serving ``concurrency`` sequences of ``context`` tokens (see the module docstring).
 
-    ``sweep`` is chapter 4's ``eval_sweep.json`` (``kvlab.evals.load_sweep()``); without it the
+    ``sweep`` is chapter 4's ``eval_sweep.json`` (``kvlab.results.load_sweep()``); without it the
     quality columns say "not measured". Rows keep the order of ``formats``; the first is the baseline
     the speed-ups are measured against.
     """

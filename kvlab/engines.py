@@ -150,7 +150,7 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
                      trials: int = 5, seed: int = 0, threads: int | None = None, progress: bool = False) -> dict:
     """Passkey exact match with llama.cpp (``llama-cpp-python``) running the GGUF file itself.
 
-    The prompts are the ones chapter 4's sweep used (:func:`kvlab.evals.sweep_prompts`), fed as token
+    The prompts are the ones chapter 4's sweep used (:func:`kvlab.tasks.sweep_prompts`), fed as token
     ids (the GGUF carries the same tokenizer). K and V are both stored as each of ``cache_types``, with
     flash attention on (llama.cpp needs it for a quantized V). Returns ``{cache type: {"rows": [{length,
     depth, trials, correct}], "seconds": s}}``.
@@ -164,7 +164,7 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
 
     from tqdm.auto import tqdm
 
-    from .evals import sweep_prompts
+    from .tasks import sweep_prompts
 
     try:
         import llama_cpp
@@ -208,7 +208,7 @@ def llamacpp_vs_kvlab(llama: dict, sweep: dict) -> dict:
     Returns ``{cache type: {"preset", "lengths": {n: {"llama.cpp": (correct, trials), "kvlab": (correct,
     trials)}}, "seconds"}}`` over the cells both measured.
     """
-    from .evals import counts
+    from .results import counts
 
     out = {}
     for ct, res in llama["cache_types"].items():

@@ -30,24 +30,8 @@ from tqdm.auto import tqdm
 from . import tasks
 from .cache import KVQuantCache
 from .formats import KVFormat, get_format
-from .paths import RESULTS_DIR  # noqa: F401
-
-# Reading shipped results needs no torch: it lives in kvlab.results (re-exported here for old callers).
-from .results import (  # noqa: F401
-    SWEEP_PATH,
-    EvalResult,
-    cell_agreement,
-    counts,
-    falls_at,
-    ladder,
-    ladder_markdown,
-    load_sweep,
-    quality_by_length,
-    rates_with_intervals,
-    trapped_formats,
-    wilson,
-)
-from .tasks import sweep_prompts  # noqa: F401
+from .results import EvalResult
+from .tasks import sweep_prompts
 
 # --------------------------------------------------------------------------- helpers
 
@@ -152,20 +136,31 @@ def greedy_through_cache(model, input_ids: torch.Tensor, fmt: str | KVFormat, n_
     ``src/llama-graph.cpp``).
     """
     _check_mode(prefill_mode)
-    return _generate(model, input_ids, [get_format(fmt)], n_new, prefill_mode)[get_format(fmt).name]
+    return answers(model, input_ids, [get_format(fmt)], n_new, prefill_mode)[get_format(fmt).name]
 
 
-def _generate(model, input_ids, fmts, n_new, prefill_mode, targets=None, chunk=None) -> dict[str, torch.Tensor]:
-    """Greedy answers for every format from one prompt batch (one shared prefill in ``"full"`` mode)."""
+def answers(model, input_ids: torch.Tensor, fmts, n_new: int, prefill_mode: str = "full", targets=None,
+            chunk: int | None = None, layer_formats: dict[str, dict] | None = None) -> dict[str, torch.Tensor]:
+    """Greedy answers ``{format name: [batch, n_new]}`` for every format from one prompt batch.
+
+    ``"full"`` mode shares one full-precision prefill among all formats; ``"cached"`` prefills once per
+    format, the prompt reading its own quantized cache (see :func:`greedy_through_cache`). ``targets``
+    stops a format's decoding once every row has missed (:func:`decode`); ``chunk`` prefills in chunks
+    (:func:`run_prompt`); ``layer_formats`` maps a format's name to a per-layer-type mix
+    (:class:`~kvlab.cache.KVQuantCache`'s ``layer_formats``).
+    """
+    _check_mode(prefill_mode)
+    fmts, mixes = _formats(fmts), layer_formats or {}
     out = {}
     if prefill_mode == "full":
         dyn, first = prefill(model, input_ids, chunk)
         for f in fmts:
-            out[f.name] = decode(model, KVQuantCache.from_prefill(f, dyn), first, n_new, targets)
+            cache = KVQuantCache.from_prefill(f, dyn, layer_formats=mixes.get(f.name))
+            out[f.name] = decode(model, cache, first, n_new, targets)
         return out
     config = model.config if hasattr(model.config, "num_hidden_layers") else None
     for f in fmts:
-        cache = KVQuantCache(f, quantize_prefill=True, config=config)
+        cache = KVQuantCache(f, quantize_prefill=True, config=config, layer_formats=mixes.get(f.name))
         out[f.name] = decode(model, cache, run_prompt(model, input_ids, cache, chunk), n_new, targets)
     return out
 
@@ -197,7 +192,7 @@ def _sweeps(task, make, model, tok, fmts, lengths, depths, trials, seed, batch_s
             ids = torch.tensor([e.input_ids for e in batch])
             n_new = max(len(e.answer_ids) for e in batch)
             want = torch.tensor([e.answer_ids + [-2] * (n_new - len(e.answer_ids)) for e in batch])
-            for name, gen in _generate(model, ids, fmts, n_new, prefill_mode, want, chunk).items():
+            for name, gen in answers(model, ids, fmts, n_new, prefill_mode, want, chunk).items():
                 correct[name] += sum(gen[j, : len(e.answer_ids)].tolist() == e.answer_ids for j, e in enumerate(batch))
         for name, r in res.items():
             r.rows.append({"length": n, "depth": float(d), "trials": trials, "correct": correct[name]})

@@ -13,6 +13,24 @@ MODEL_DIR = DATA_DIR / "model"  # kvlab-tiny, the unit-test model
 CORPUS_DIR = DATA_DIR / "corpus"
 
 
+def out_problem(path: str | Path, flag: str = "--out") -> str | None:
+    """Why ``path`` cannot take a result file (checked before a long run, not after it), or None.
+
+    Refused: a directory, a missing folder, anything that exists but is not a regular file (a device
+    such as /dev/null would be replaced by the atomic rename), and a file or folder we may not write.
+    """
+    out = Path(path)
+    if out.is_dir():
+        return f"{flag} {path}: is a directory"
+    if not out.parent.is_dir():
+        return f"{flag} {path}: folder {str(out.parent)!r} does not exist"
+    if out.exists() and not out.is_file():
+        return f"{flag} {path}: exists and is not a regular file"
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        return f"{flag} {path}: is not writable"
+    return None
+
+
 def write_json(path: str | Path, doc) -> None:
     """Write ``doc`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename),
     so an interrupted run never leaves a half-written result."""

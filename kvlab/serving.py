@@ -6,8 +6,8 @@ The pieces live in modules of their own:
   and the chapter's sweeps (:func:`hit_rate_vs_pool`, :func:`cost_table`);
 * :mod:`kvlab.workloads` — synthetic workloads with shared prefixes;
 * :mod:`kvlab.traces` — recorded traces (Mooncake's format);
-* :func:`kvlab.evals.quality_by_length` — chapter 4's sweep as a quality column;
-* :func:`kvlab.widgets.cost_table_html` — the cost table as HTML.
+* :func:`kvlab.results.quality_by_length` — chapter 4's sweep as a quality column;
+* :func:`kvlab.simulator.cost_table_html` — the cost table as HTML.
 """
 
 from .results import quality_by_length

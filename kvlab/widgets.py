@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from . import budget as B
 from .formats import get_format
-from .simulator import cost_table_html  # noqa: F401  (moved; re-exported)
+from .simulator import cost_table_html
 
 GiB = 1024**3
 CONTEXTS = [2**k for k in range(9, 21)]  # 512 .. 1M tokens
@@ -295,7 +295,7 @@ class SweepExplorer(_Panel):
     """
 
     def __init__(self, sweep: dict, kv_format: str = "int4_tensor", reference: str = "fp32"):
-        from .evals import EvalResult
+        from .results import EvalResult
 
         self._Result = EvalResult
         self.sweep, self.reference = sweep, reference
@@ -322,7 +322,7 @@ class SweepExplorer(_Panel):
         return self._Result("passkey", self.sweep.get("model", ""), name, self.sweep["formats"][name].get(key, []))
 
     def update(self, change=None):
-        from .evals import counts, wilson
+        from .results import counts, wilson
 
         res = self.result(self.kv_format.value)
         if not res.rows:
@@ -355,7 +355,7 @@ class CostQualityTable(_Panel):
     """Chapter 5's decision table: cost per format from the simulator, beside chapter 4's measured quality.
 
     A slider sets the minimum passkey exact match a format must reach at each context length;
-    cells under it turn red. ``quality`` is :func:`kvlab.evals.quality_by_length`'s mapping.
+    cells under it turn red. ``quality`` is :func:`kvlab.results.quality_by_length`'s mapping.
     With ``perplexity`` ({format: relative increase}, chapter 4's ladder) a second slider sets the
     largest perplexity increase allowed.
     """

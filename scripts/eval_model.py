@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab import evals  # noqa: E402
+from kvlab import evals, results  # noqa: E402
 from kvlab.models import MODEL_DIR, load_model  # noqa: E402
 
 DEPTHS = [i / 10 for i in range(11)]
@@ -113,7 +113,7 @@ def main(argv=None):
         model, tok = load_model("kvlab-tiny")
         res = evals.passkey_sweep(model, tok, "fp32", [512, 2048], [0.0, 0.25, 0.5, 0.75, 1.0], 4, seed=3,
                                   haystack="prose", progress=False)
-        ev["passkey_prose"] = {str(n): dict(zip(("correct", "trials"), evals.counts(res.rows, length=n)))
+        ev["passkey_prose"] = {str(n): dict(zip(("correct", "trials"), results.counts(res.rows, length=n)))
                                for n in res.lengths}
         (MODEL_DIR / "eval.json").write_text(json.dumps(ev, indent=1) + "\n")
         args.card_only = True

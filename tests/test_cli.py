@@ -162,3 +162,20 @@ def test_formats_engines_names_every_preset_and_cites_every_engine(capsys):
     assert "lmdeploy-int4" in out and "--quant-policy 4" in out and "sources:" in out
     assert main(["formats", "--engines", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["presets"]["fp8_e5m2"]["sglang"] == "--kv-cache-dtype fp8_e5m2"
+
+
+def test_out_is_refused_before_the_run_when_it_cannot_hold_a_result(tmp_path, capsys):
+    """A device file would be replaced by the atomic rename; an unwritable folder would lose the result."""
+    import os
+
+    from kvlab.cli import main
+    from kvlab.paths import out_problem
+
+    assert out_problem(tmp_path / "ok.json") is None
+    assert "not a regular file" in out_problem("/dev/null")
+    if os.geteuid() != 0:  # root may write anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        assert "not writable" in out_problem(ro / "r.json")
+    assert main(["niah", "--kv-format", "int4", "--model", "kvlab-tiny", "--out", "/dev/null"]) == 2
+    assert "not a regular file" in capsys.readouterr().err

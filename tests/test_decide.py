@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import decide, evals
+from kvlab import decide, results
 
 
 def test_step_time_is_a_roofline():
@@ -20,7 +20,7 @@ def test_step_time_is_a_roofline():
 
 def test_options_rows_and_shortlist():
     rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, formats=["bf16", "fp8_e4m3", "int4_tensor"],
-                          sweep=evals.load_sweep())
+                          sweep=results.load_sweep())
     by = {r["kv_format"]: r for r in rows}
     assert by["bf16"]["speedup"] == 1.0 and by["fp8_e4m3"]["max_concurrency"] >= 2 * by["bf16"]["max_concurrency"] - 1
     assert "vLLM" in by["fp8_e4m3"]["engines"] and by["int4_tensor"]["engines"] == {}

@@ -113,3 +113,108 @@ def test_the_shipped_long_sweep_loads_and_compares_on_identical_prompts():
     for r in s.table("filler"):
         assert r["prompts"] >= 1 and 0 <= r["lo"] <= r["rate"] <= r["hi"] <= 1
     assert s.figure("filler").data
+
+
+# --------------------------------------------------------------------------- chapter 4's SmolLM2 sweep (moved from test_evals)
+
+def _fake_sweep(tmp_path):
+    def cells(short, long):
+        return [{"length": 512, "depth": 0.0, "trials": 4, "correct": short},
+                {"length": 2048, "depth": 0.0, "trials": 4, "correct": long},
+                {"length": 4096, "depth": 0.0, "trials": 4, "correct": long}]
+
+    teacher = {"kl": 0.01, "top1_agreement": 0.99, "mean_first_divergence": 20.0}
+    doc = {"model": "m", "formats": {
+        "fp32": {"bits_per_element": 32, "perplexity": 10.0, "passkey": cells(4, 4),
+                 "chain2": [{"length": 512, "depth": 1.0, "trials": 4, "correct": 2}], "teacher": teacher},
+        "int4": {"bits_per_element": 4.5, "perplexity": 10.5, "passkey": cells(4, 1), "chain2": [],
+                 "teacher": dict(teacher, kl=0.2)}}}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_load_sweep_and_ladder(tmp_path):
+    sweep = R.load_sweep(_fake_sweep(tmp_path))
+    assert sweep["formats"]["int4"]["passkey_result"].accuracy(4096) == 0.25
+    rows = {r["kv_format"]: r for r in R.ladder(sweep, short=512, long_min=2048)}
+    assert rows["int4"]["needle_short"] == 1.0 and rows["int4"]["needle_long"] == 0.25
+    assert abs(rows["int4"]["ppl_increase"] - 0.05) < 1e-12 and rows["fp32"]["ppl_increase"] == 0
+    assert rows["fp32"]["chain"] == 0.5 and rows["int4"]["chain"] is None and rows["int4"]["kl"] == 0.2
+    with pytest.raises(KeyError, match="reference"):
+        R.ladder(sweep, reference="bf16")
+    with pytest.raises(KeyError, match="no passkey cells"):
+        R.ladder(sweep, short=1024)
+
+
+def test_load_sweep_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="sweep_evals"):
+        R.load_sweep(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="formats"):
+        R.load_sweep(tmp_path / "bad.json")
+
+
+def test_trapped_formats_finds_the_trap(tmp_path):
+    rows = R.ladder(R.load_sweep(_fake_sweep(tmp_path)), short=512, long_min=2048)
+    assert R.trapped_formats(rows, ppl_tol=0.06) == ["int4"]  # +5% perplexity, 100% at 512, 25% vs 100% long
+    assert R.trapped_formats(rows, ppl_tol=0.01) == []
+    assert R.trapped_formats(rows, long_drop=0.8) == []
+    with pytest.raises(ValueError, match="ppl_tol"):
+        R.trapped_formats(rows, ppl_tol=2)
+    with pytest.raises(KeyError, match="reference"):
+        R.trapped_formats(rows, reference="bf16")
+
+
+def test_accuracy_pools_cells_from_a_minimum_length():
+    res = R.EvalResult("passkey", "m", "int4", [
+        {"length": 512, "depth": 0.0, "trials": 10, "correct": 10},
+        {"length": 4096, "depth": 0.0, "trials": 10, "correct": 3},
+        {"length": 8192, "depth": 0.5, "trials": 10, "correct": 1}])
+    assert res.accuracy(min_length=2048) == 0.2 and res.accuracy(min_length=8192, depth=0.5) == 0.1
+    with pytest.raises(KeyError, match="min_length=16384"):
+        res.accuracy(min_length=16384)
+
+
+def test_ladder_markdown_and_cell_agreement(tmp_path):
+    sweep = R.load_sweep(_fake_sweep(tmp_path))
+    md = R.ladder_markdown(R.ladder(sweep))
+    lines = md.splitlines()
+    assert lines[0].startswith("| format | bits | ppl_increase | needle_short | needle_long | chain") and len(lines) == 4
+    assert "| int4 | 4.50 | +5.0% | 100% (51%–100%) | 25% (7%–59%) | — | 0.2000 |" in md, md
+    # int4 differs from fp32 by 0.75 in both long cells: 4 of 6 cells agree within 0.25, all within 0.75
+    assert R.cell_agreement(sweep, tol=0.25) == 4 / 6 and R.cell_agreement(sweep, tol=0.75) == 1.0
+    with pytest.raises(KeyError, match="reference"):
+        R.cell_agreement(sweep, reference="bf16")
+
+
+@given(trials=st.integers(1, 500), data=st.data())
+def test_wilson_interval_brackets_the_rate(trials, data):
+    correct = data.draw(st.integers(0, trials))
+    lo, hi = R.wilson(correct, trials)
+    assert 0 <= lo <= correct / trials <= hi <= 1
+    lo2, hi2 = R.wilson(trials - correct, trials)  # misses and hits are mirror images
+    assert lo == pytest.approx(1 - hi2, abs=1e-9) and hi == pytest.approx(1 - lo2, abs=1e-9)
+    if trials >= 100:
+        assert hi - lo < 0.2
+    with pytest.raises(ValueError):
+        R.wilson(trials + 1, trials)
+
+
+def test_counts_and_where_a_format_falls():
+    rows = [{"length": n, "depth": d, "trials": 5, "correct": c}
+            for n, c in ((512, 5), (2048, 4), (8192, 1)) for d in (0.0, 1.0)]
+    assert R.counts(rows, length=2048) == (8, 10) and R.counts(rows, min_length=2048) == (10, 20)
+    res = R.EvalResult("passkey", "m", "int4", rows)
+    ref = R.EvalResult("passkey", "m", "fp32", [dict(r, correct=5) for r in rows])
+    assert R.falls_at(res, ref, drop=0.2) == 2048 and R.falls_at(res, ref, drop=0.5) == 8192
+    assert R.falls_at(ref, ref) is None
+    with pytest.raises(ValueError, match="drop"):
+        R.falls_at(res, ref, drop=0)
+
+
+def test_rates_with_intervals_draw_the_wilson_interval():
+    rates, err = R.rates_with_intervals([(5, 5), (1, 4)])
+    assert rates == [1.0, 0.25] and err["array"][0] == 0.0
+    lo, hi = R.wilson(1, 4)
+    assert err["arrayminus"][1] == pytest.approx(0.25 - lo) and err["array"][1] == pytest.approx(hi - 0.25)
