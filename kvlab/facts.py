@@ -1,0 +1,166 @@
+"""What the chapters state, computed once by the library and checked against named thresholds.
+
+Each chapter whose prose states numbers has a function here returning a :class:`Facts`: the values
+its sentences print (filled into ``notebooks/prose/<chapter>.md`` by :mod:`kvlab.prose`) and the
+claims those sentences make, each a condition on the data. The chapter plots from the same object,
+so a figure and the sentence under it cannot disagree; ``tests/test_facts.py`` computes every
+chapter's facts in ``make quick`` and fails, naming the sentence, when the data stop supporting one.
+(d2l keeps its checks in the library, not in the page; this is that.)
+
+    >>> F = prefix_cache()
+    >>> F["split"]["int4"]["saving_unshared"], F.failed()      # a value, and the claims that no longer hold
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class Facts(dict):
+    """Values by name (a dict, so templates read them) plus ``claims``: sentence -> (holds, evidence)."""
+
+    def __init__(self, values: dict, claims: dict[str, tuple[bool, object]]):
+        super().__init__(values)
+        self.claims = claims
+
+    def failed(self) -> dict[str, object]:
+        """``{claim: evidence}`` for every claim the data no longer support."""
+        return {c: ev for c, (ok, ev) in self.claims.items() if not ok}
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming each claim that no longer holds, with its evidence."""
+        bad = self.failed()
+        if bad:
+            raise AssertionError("these sentences no longer hold: " + "; ".join(f"{c} ({ev!r})" for c, ev in bad.items()))
+
+
+def _claim(ok, evidence=None) -> tuple[bool, object]:
+    return bool(ok), evidence
+
+
+# --------------------------------------------------------------------------- chapter 5
+
+CH5_MODEL, CH5_GPU, CH5_SWEEP_GPU = "llama-3.1-8b", "L4", "H100-80GB"
+CH5_FORMATS = ["bf16", "fp8_e4m3", "int4"]
+CH5_POOLS_GIB = [0.5, 1, 2, 4, 8, 16, 32, 64]
+CH5_QUALITY_FORMATS = ["bf16", "fp8_e4m3", "int4_token", "int4", "int4_tensor"]
+CH5_QUALITY_BAR = 0.9  # exact match at least 90% of full precision's, at each length
+CH5_PPL_LIMIT = 0.05  # perplexity at most 5% above full precision's
+INT4_CACHES = ["int4", "lmdeploy-int4", "q4_0", "hf-int4"]  # the INT4 presets an engine might offer
+
+
+CH5_TRACE = dict(n=400, docs=200, doc_len=1000, rate=4.0, seed=0)  # the rest: kvlab.workloads.rag's defaults
+
+
+def ch5_requests():
+    """Chapter 5's trace: RAG requests (a system prompt, 3 of 200 documents with Zipf popularity, a question)."""
+    from .workloads import rag
+
+    return rag(**CH5_TRACE)
+
+
+def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
+    """Chapter 5: blocks per format, hit rate vs pool size, cost with and without sharing, quality-adjusted cost."""
+    from . import budget as B
+    from . import simulator as S
+    from .formats import engines_offering
+    from .results import counts, ladder, load_sweep, quality_by_length
+    from .workloads import cost_split
+
+    reqs = requests if requests is not None else ch5_requests()
+    gib = 2**30
+    blocks = {f: S.pool_blocks(CH5_MODEL, CH5_GPU, f)[0] for f in CH5_FORMATS}
+    curves = S.hit_rate_vs_pool(reqs, CH5_MODEL, CH5_SWEEP_GPU, CH5_FORMATS, CH5_POOLS_GIB)
+    int4_at_1 = curves["int4"][CH5_POOLS_GIB.index(1)]
+    bf16_scaled = S.simulate(reqs, CH5_MODEL, CH5_SWEEP_GPU, "bf16", pool_bytes=int(gib * 16 / 4.5)).hit_rate
+    split = {r["kv_format"]: r for r in cost_split(reqs, CH5_MODEL, CH5_GPU, CH5_FORMATS[1:])}
+    l4 = B.get_gpu(CH5_GPU)
+    dearer = {r["kv_format"]: r for r in cost_split(reqs, CH5_MODEL, CH5_GPU, CH5_FORMATS[1:],
+                                                    gpu_hour_usd=10 * l4.usd_per_hour)}
+    b, f8, i4 = split["bf16"], split["fp8_e4m3"], split["int4"]
+    gain = {n: r["saving_shared"] - r["saving_unshared"] for n, r in split.items()}
+    usd = {n: (b["usd_unshared"] - r["usd_unshared"], b["usd_shared"] - r["usd_shared"]) for n, r in split.items()}
+    int4_engines = sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})
+
+    sweep = sweep if sweep is not None else load_sweep()
+    fmts = CH5_QUALITY_FORMATS
+    quality = quality_by_length(sweep, fmts)
+    reference = quality_by_length(sweep, ["fp32"])["fp32"]
+    ppl = {r["kv_format"]: r["ppl_increase"] for r in ladder(sweep, short=512, long_min=max(sweep["lengths"]))}
+    table = S.cost_table(reqs, CH5_MODEL, CH5_GPU, fmts, quality=quality, threshold=CH5_QUALITY_BAR,
+                         reference=reference, perplexity=ppl, max_ppl_increase=CH5_PPL_LIMIT)
+    by_fmt = {r["kv_format"]: r for r in table}
+    L = max(sweep["lengths"])
+    int4_rows = [f for f in fmts if f.startswith("int4")]
+    both = [f for f in fmts if by_fmt[f]["ppl_ok"] and all(v is not False for v in by_fmt[f]["ok"].values())]
+    prompts = {counts(sweep["formats"][f]["passkey"], length=n)[1] for f in fmts for n in sweep["lengths"]}
+
+    import inspect
+
+    from .workloads import rag
+
+    trace = {k: p.default for k, p in inspect.signature(rag).parameters.items()} | CH5_TRACE
+    gpu = B.get_gpu(CH5_GPU)
+    values = {
+        "requests": reqs, "quality": quality, "reference": reference, "formats": fmts,
+        "quality_bar": CH5_QUALITY_BAR, "ppl_limit": CH5_PPL_LIMIT, "trace": trace, "model": CH5_MODEL,
+        "gpu": CH5_GPU, "gpu_gb": gpu.memory_bytes / 1e9,
+        "free_gib": B.fit(CH5_MODEL, CH5_GPU, "bf16").free_for_cache_per_gpu / gib,
+        "mfu": S.CostModel.mfu, "mbu": S.CostModel.mbu, "int4_pool_gib": 16 / 4.5,
+        "blocks": blocks, "curves": curves, "pools": CH5_POOLS_GIB, "split": split, "table": table,
+        "price": l4.usd_per_hour, "price_source": l4.price_source,
+        "bf16_scaled_hit": bf16_scaled, "int4_hit_1gib": int4_at_1,
+        "fp8_blocks_x": blocks["fp8_e4m3"] / blocks["bf16"], "int4_blocks_x": blocks["int4"] / blocks["bf16"],
+        "b": b, "f8": f8, "i4": i4, "gain_f8": 100 * gain["fp8_e4m3"], "gain_i4": 100 * gain["int4"],
+        "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_engines),
+        "ppl": ppl, "L": L, "int4_token_at_L": quality["int4_token"][L], "bar_at_L": CH5_QUALITY_BAR * reference[L],
+        "min_int4_ppl": min(ppl[f] for f in int4_rows), "prompts_per_cell": next(iter(prompts)) if len(prompts) == 1 else None,
+        "prompt_points": 100 / next(iter(prompts)),
+    }
+    claims = {
+        "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
+            _claim(1.99 < values["fp8_blocks_x"] < 2.01 and 3.5 < values["int4_blocks_x"] < 3.6, blocks),
+        "smaller KV hits more when memory is tight": _claim(curves["int4"][0] > curves["fp8_e4m3"][0] > curves["bf16"][0]),
+        "the gain vanishes once the working set fits (within 1 point)":
+            _claim(max(y[-1] for y in curves.values()) - min(y[-1] for y in curves.values()) < 0.01),
+        "BF16 in 16/4.5 GiB hits as often as INT4 in 1 GiB (within half a point)":
+            _claim(abs(bf16_scaled - int4_at_1) < 0.005, (bf16_scaled, int4_at_1)),
+        "FP8 and INT4 save over 15% with no hits at all, INT4 more":
+            _claim(0.15 < f8["saving_unshared"] < i4["saving_unshared"], (f8["saving_unshared"], i4["saving_unshared"])),
+        "more blocks let more requests run at once":
+            _claim(i4["peak_concurrency_unshared"] > f8["peak_concurrency_unshared"] > b["peak_concurrency_unshared"]),
+        "smaller formats hit more": _claim(i4["hit_rate"] > f8["hit_rate"] > b["hit_rate"]),
+        "with sharing the percentage saving rises by at least 5 points":
+            _claim(min(gain["fp8_e4m3"], gain["int4"]) > 0.05, gain),
+        "the no-hit saving is the larger part":
+            _claim(f8["saving_unshared"] > gain["fp8_e4m3"] and i4["saving_unshared"] > gain["int4"]),
+        "sharing cuts BF16's own cost": _claim(b["usd_shared"] < b["usd_unshared"]),
+        "in dollars the saving does not grow with sharing":
+            _claim(all(usd[n][1] <= usd[n][0] + 1e-9 for n in ["fp8_e4m3", "int4"]), usd),
+        "vLLM and SGLang list no INT4 cache; LMDeploy and llama.cpp do":
+            _claim(not {"vLLM", "SGLang"} & set(int4_engines) and {"LMDeploy", "llama.cpp"} <= set(int4_engines),
+                   int4_engines),
+        "the savings do not depend on the price":
+            _claim(all(abs(dearer[n]["saving_shared"] - split[n]["saving_shared"]) < 1e-9 for n in split)),
+        "the cheapest rows are the small formats":
+            _claim(by_fmt["int4_tensor"]["usd_per_m_tokens"] < by_fmt["bf16"]["usd_per_m_tokens"]),
+        "INT4 per tensor fails the exact-match bar at every length": _claim(not any(by_fmt["int4_tensor"]["ok"].values())),
+        "BF16 passes the exact-match bar at every length": _claim(all(by_fmt["bf16"]["ok"].values())),
+        "chapter 4 scores the same number of prompts in every cell": _claim(values["prompts_per_cell"] is not None,
+                                                                           prompts),
+        "at the perplexity limit BF16 and FP8 pass and every INT4 row fails":
+            _claim([by_fmt[f]["ppl_ok"] for f in fmts] == [True, True, False, False, False]),
+        "perplexity ranks the INT4 rows int4 < int4_token < int4_tensor":
+            _claim(ppl["int4"] < ppl["int4_token"] < ppl["int4_tensor"], ppl),
+        "only BF16 and FP8 pass both columns at the default limits": _claim(both == ["bf16", "fp8_e4m3"], both),
+        "int4 and int4_token both pass the exact-match bar at every length":
+            _claim(all(by_fmt["int4"]["ok"].values()) and all(by_fmt["int4_token"]["ok"].values())),
+        "int4_token sits on the bar at the longest length: one prompt fewer fails it":
+            _claim(values["int4_token_at_L"] >= values["bar_at_L"] - 1e-12
+                   > values["int4_token_at_L"] - 1 / values["prompts_per_cell"]),
+        "admitting any INT4 row needs a perplexity limit of 10% or more": _claim(values["min_int4_ppl"] > 0.10),
+    }
+    return Facts(values, claims)
+
+
+CHAPTERS: dict[str, Callable[[], Facts]] = {"05_prefix_cache": prefix_cache}

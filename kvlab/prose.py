@@ -1,0 +1,67 @@
+"""Chapter prose as Markdown templates, filled from the facts the library computes.
+
+A chapter's sentences live in ``notebooks/prose/<chapter>.md``, where they can be edited as prose.
+Each section starts with a line ``<!-- section: NAME -->`` and runs to the next one; numbers are
+``{field:format}`` placeholders (Python's format syntax) filled from a :class:`kvlab.facts.Facts`.
+The facts module checks every claim a sentence makes against the data, with named thresholds, and
+``tests/test_facts.py`` renders every section in ``make quick``: a change to shipped data or to the
+library that breaks a sentence fails there, not at the end of the book build.
+
+    >>> from kvlab import facts, prose
+    >>> prose.show("05_prefix_cache", "costs", facts.prefix_cache())    # in a chapter: one line
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from pathlib import Path
+
+from .paths import ROOT
+
+PROSE_DIR = ROOT / "notebooks" / "prose"
+_HEAD = re.compile(r"^<!-- section: ([\w.-]+) -->\s*$", re.M)
+
+
+def sections(chapter: str, folder: Path | None = None) -> dict[str, str]:
+    """``{name: template}`` of one chapter's prose file."""
+    path = (folder or PROSE_DIR) / f"{chapter}.md"
+    if not path.is_file():
+        raise FileNotFoundError(f"no prose file {path}")
+    text = path.read_text(encoding="utf-8")
+    heads = list(_HEAD.finditer(text))
+    if not heads:
+        raise ValueError(f"{path} has no '<!-- section: NAME -->' lines")
+    out = {}
+    for h, nxt in zip(heads, heads[1:] + [None]):
+        name = h[1]
+        if name in out:
+            raise ValueError(f"{path}: section {name!r} appears twice")
+        out[name] = text[h.end():nxt.start() if nxt else len(text)].strip()
+    return out
+
+
+def fields(template: str) -> set[str]:
+    """The top-level names a template's placeholders read."""
+    return {re.split(r"[.\[]", f)[0] for _, f, _, _ in string.Formatter().parse(template) if f}
+
+
+def render(chapter: str, section: str, facts, folder: Path | None = None) -> str:
+    """One section filled from ``facts`` (a mapping); names a missing fact and the section it is in."""
+    temps = sections(chapter, folder)
+    if section not in temps:
+        raise KeyError(f"{chapter}.md has no section {section!r} (it has {', '.join(temps)})")
+    missing = sorted(fields(temps[section]) - set(facts.keys()))
+    if missing:
+        raise KeyError(f"{chapter}.md, section {section!r}: no fact named {', '.join(missing)}")
+    return temps[section].format_map(facts)
+
+
+def show(chapter: str, section: str, facts) -> None:
+    """Display a rendered section as Markdown (in a notebook), after checking the facts' claims."""
+    from IPython.display import Markdown, display
+
+    check = getattr(facts, "check", None)
+    if check is not None:
+        check()
+    display(Markdown(render(chapter, section, facts)))

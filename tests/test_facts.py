@@ -1,0 +1,54 @@
+"""Every chapter's facts hold on the shipped data, and every sentence of its prose renders (make quick)."""
+
+import pytest
+
+from kvlab import facts, prose
+
+
+@pytest.fixture(scope="module", params=sorted(facts.CHAPTERS))
+def chapter(request):
+    return request.param, facts.CHAPTERS[request.param]()
+
+
+def test_every_claim_a_chapter_makes_holds_on_the_shipped_data(chapter):
+    name, F = chapter
+    assert F.claims, f"{name} states no claims"
+    assert F.failed() == {}
+
+
+def test_every_section_of_the_chapter_renders(chapter):
+    name, F = chapter
+    for section in prose.sections(name):
+        text = prose.render(name, section, F)
+        assert "{" not in text and text.strip()
+
+
+def test_every_section_is_shown_by_its_chapter(chapter):
+    """A section no cell shows would be prose nobody reads (and a claim nobody sees)."""
+    import json
+
+    name, _ = chapter
+    nb = json.loads((prose.PROSE_DIR.parent / f"{name}.ipynb").read_text())
+    src = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    for section in prose.sections(name):
+        assert f'prose.show("{name}", "{section}", F)' in src, section
+
+
+def test_a_failing_claim_stops_the_page_and_names_the_sentence():
+    F = facts.Facts({"x": 1}, {"x is two": (False, 1), "x is one": (True, 1)})
+    assert F.failed() == {"x is two": 1}
+    with pytest.raises(AssertionError, match="x is two"):
+        F.check()
+
+
+def test_render_names_a_missing_fact_and_an_unknown_section(tmp_path):
+    (tmp_path / "c.md").write_text("<!-- section: a -->\nx = {x:.1f}, y = {y[0]}\n<!-- section: b -->\nplain\n")
+    assert prose.render("c", "b", {}, tmp_path) == "plain"
+    assert prose.render("c", "a", {"x": 2, "y": [3]}, tmp_path) == "x = 2.0, y = 3"
+    with pytest.raises(KeyError, match="no fact named y"):
+        prose.render("c", "a", {"x": 2}, tmp_path)
+    with pytest.raises(KeyError, match="no section 'z'"):
+        prose.render("c", "z", {}, tmp_path)
+    (tmp_path / "d.md").write_text("<!-- section: a -->\n1\n<!-- section: a -->\n2\n")
+    with pytest.raises(ValueError, match="twice"):
+        prose.sections("d", tmp_path)
