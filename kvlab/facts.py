@@ -163,4 +163,95 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
     return Facts(values, claims)
 
 
-CHAPTERS: dict[str, Callable[[], Facts]] = {"05_prefix_cache": prefix_cache}
+# --------------------------------------------------------------------------- chapter 6
+
+CH6_DEPLOYMENT = dict(model="llama-3.1-8b", gpu="H100-80GB", weights="bf16", context=32768, concurrency=64)
+CH6_FORMATS = ["bf16", "fp8_e4m3", "int8", "q8_0", "kivi-4", "int4", "q4_0", "int4_tensor"]
+CH6_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+CH6_LADDER_PROMPTS = 50  # prompts a server in the endpoint ladder of 6.4
+
+
+def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], weights=CH6_DEPLOYMENT["weights"],
+                      context=CH6_DEPLOYMENT["context"], concurrency=CH6_DEPLOYMENT["concurrency"],
+                      formats=CH6_FORMATS, sweep: dict | None = None) -> Facts:
+    """Chapter 6: what each format buys for one deployment (room, roofline speed), what it risks, the shortlist.
+
+    The claims are about the chapter's own deployment; run with yours and :meth:`Facts.failed` names the
+    sentences that no longer describe it.
+    """
+    from . import budget as B
+    from . import decide
+    from .results import counts, load_sweep, wilson
+
+    sweep = sweep if sweep is not None else load_sweep()
+    per_point = {counts(sweep["formats"][f]["passkey"], length=n)[1] for f in sweep["formats"] for n in sweep["lengths"]}
+    rows = decide.options(model, gpu, context, concurrency, weights_dtype=weights, formats=formats, sweep=sweep)
+    by = {r["kv_format"]: r for r in rows}
+    bf, f8, i4 = by["bf16"], by["fp8_e4m3"], by["int4"]
+    steps = [r["step_ms"] for r in rows]
+    none_fit = not any(r["fits"] for r in rows)
+    tp2 = {f: B.max_concurrency(model, context, f, gpu, weights, tp=2) for f in ("bf16", "fp8_e4m3", "int4")}
+    held_tp2 = [f for f, n in tp2.items() if n >= concurrency]
+    curves = decide.throughput_curves(model, gpu, context, ["bf16", "fp8_e4m3", "int4"], CH6_CONCURRENCIES,
+                                      weights_dtype=weights)
+    one = {f: ys[0] for f, (xs, ys) in curves.items()}
+    full = {f: xs[-1] for f, (xs, ys) in curves.items()}
+    at8 = {f: ys[xs.index(8)] for f, (xs, ys) in curves.items() if 8 in xs}
+    share1 = decide.step_time(model, 1, context, "bf16", gpu, weights).cache_share
+    picks = decide.shortlist(rows)
+    q = {f: by[f]["quality"] for f in by}
+    L = max(sweep["lengths"])
+    lo, hi = wilson(CH6_LADDER_PROMPTS // 2, CH6_LADDER_PROMPTS)  # at 50% exact match: the widest interval
+    short1 = {f: decide.step_time(model, 1, 4096, f, gpu, weights).seconds for f in ("bf16", "int4")}
+    names = {"bf16": "BF16", "fp8_e4m3": "FP8", "int4": "INT4"}
+    tp2_text = ", ".join(f"{names[f]} {n}" for f, n in tp2.items())
+    if none_fit:
+        clause = (f" No format here holds the whole load on one GPU. Across two with tensor parallelism (tp=2) they fit "
+                  f"{tp2_text} sequences: " + (f"{', '.join(names[f] for f in held_tp2)} would hold it; the others need more GPUs "
+                                              f"or a shorter context." if held_tp2 else "still short; use more GPUs or a shorter context."))
+    else:
+        clause = ""
+    values = {
+        "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
+        "model": model, "gpu": gpu, "context": context, "concurrency": concurrency,
+        "bf": bf, "f8": f8, "i4": i4, "step_lo": min(steps), "step_hi": max(steps), "one_gpu_clause": clause,
+        "share1": share1, "small_gain": one["int4"] / one["bf16"], "gain8": at8["int4"] / at8["bf16"] if at8 else None,
+        "full": full, "picks_md": ", ".join(f"`{p}`" for p in picks), "q": q, "L": L,
+        "ladder_prompts": CH6_LADDER_PROMPTS, "half_width": 100 * (hi - lo) / 2,
+        "int4_over_fp8": i4["max_concurrency"] / f8["max_concurrency"], "short1_speedup": short1["bf16"] / short1["int4"],
+        "short1": short1, "int4_tensor_at_L": q["int4_tensor"]["exact_match"][L], "lengths_text": ", ".join(f"{n:,}" for n in sweep["lengths"][:-1]) + f" and {L:,}",
+        "prompts_per_point": next(iter(per_point)) if len(per_point) == 1 else None,
+    }
+    claims = {
+        "BF16 cannot hold the requested load on one GPU": _claim(not bf["fits"]),
+        "FP8 holds about twice as many sequences as BF16":
+            _claim(1.8 <= f8["max_concurrency"] / bf["max_concurrency"] <= 2.2, (f8["max_concurrency"], bf["max_concurrency"])),
+        "INT4 (4.5 bits with scales) holds about 3.5x as many":
+            _claim(3.2 <= i4["max_concurrency"] / bf["max_concurrency"] <= 3.8, i4["max_concurrency"]),
+        "with memory full, a step takes about the same time in every format (within 10%)":
+            _claim(max(steps) < 1.1 * min(steps), steps),
+        "so throughput follows the sequences that fit": _claim(abs(f8["speedup"] - f8["running"] / bf["running"]) < 0.1),
+        "at one sequence INT4 gains less than 40% over BF16": _claim(values["small_gain"] < 1.4, values["small_gain"]),
+        "each curve ends where its pool is full (the table's most sequences)":
+            _claim(all(full[f] == by[f]["max_concurrency"] for f in full), full),
+        "at one sequence the weights are most of the bytes read": _claim(share1 < 0.5, share1),
+        "at 8 sequences INT4 is at least 1.5x BF16": _claim(values["gain8"] is not None and values["gain8"] >= 1.5, at8),
+        "no INT4 format an engine offers passes the 1% perplexity bar":
+            _claim(not ({"int4", "q4_0", "int4_tensor"} & set(picks)), picks),
+        "FP8 E4M3 is on the shortlist": _claim("fp8_e4m3" in picks, picks),
+        "vLLM, SGLang and TensorRT-LLM all offer FP8 E4M3":
+            _claim({"vLLM", "SGLang", "TensorRT-LLM"} <= set(f8["engines"]), f8["engines"]),
+        "INT4 holds about 1.8x FP8's sequences": _claim(1.6 < values["int4_over_fp8"] < 2.0, values["int4_over_fp8"]),
+        "INT4 with one scale per tensor is not on the shortlist": _claim("int4_tensor" not in picks),
+        "INT4 per token costs perplexity that FP8 does not (over 10x)":
+            _claim(q["int4"]["ppl_increase"] > 10 * max(q["fp8_e4m3"]["ppl_increase"], 1e-3),
+                   (q["int4"]["ppl_increase"], q["fp8_e4m3"]["ppl_increase"])),
+        "the longest context measured is below the context asked about": _claim(L < context, (L, context)),
+        "at 50 prompts a server the 95% interval is about ±13 points": _claim(12 < values["half_width"] < 14, (lo, hi)),
+        "at one 4k sequence INT4 speeds a step up by less than 10%": _claim(values["short1_speedup"] < 1.1, short1),
+        "chapter 4 ran the same number of prompts at every point": _claim(values["prompts_per_point"] is not None, per_point),
+    }
+    return Facts(values, claims)
+
+
+CHAPTERS: dict[str, Callable[[], Facts]] = {"05_prefix_cache": prefix_cache, "06_choosing_a_format": choosing_a_format}
