@@ -261,6 +261,18 @@ def perplexity(model, tok, fmt="bf16", text: str | None = None, window: int = 51
     rung under-credits residual windows. A full-precision prefill would leave
     perplexity untouched by the format, which is why this rung cannot use it.
     """
+    nll, count = 0.0, 0
+    for x in perplexity_windows(tok, text, window, max_windows):
+        nll += window_nll(model, x, fmt)
+        count += x.shape[1] - 1
+    return math.exp(nll / count)
+
+
+def perplexity_windows(tok, text: str | None = None, window: int = 512, max_windows: int = 16) -> list[torch.Tensor]:
+    """The held-out windows perplexity reads: ``[1, tokens]`` each, ``window`` tokens of text after the
+    tokenizer's own start tokens (Gemma's ``<bos>``: the model was trained with it; none for SmolLM2)."""
+    from .tasks import bos
+
     if text is None:
         import gzip
 
@@ -270,14 +282,19 @@ def perplexity(model, tok, fmt="bf16", text: str | None = None, window: int = 51
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) < window + 1:
         raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")
-    dev = next(model.parameters()).device
-    nll, count = 0.0, 0
-    for s in range(0, len(ids) - window, window)[:max_windows]:
-        x = torch.tensor([ids[s : s + window]], device=dev)
-        logits = model(x, past_key_values=KVQuantCache(fmt, quantize_prefill=True), use_cache=True).logits[0, :-1].float()
-        nll += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
-        count += window - 1
-    return math.exp(nll / count)
+    start = bos(tok)
+    return [torch.tensor([start + ids[s : s + window]]) for s in range(0, len(ids) - window, window)[:max_windows]]
+
+
+@torch.no_grad()
+def window_nll(model, x: torch.Tensor, fmt, layer_formats: dict | None = None) -> float:
+    """Summed next-token negative log-likelihood (nats) of one window ``[1, tokens]``, every token
+    attending over the quantized cache (``prefill="cached"``); ``layer_formats`` as in :func:`answers`."""
+    config = model.config if hasattr(model.config, "num_hidden_layers") else None
+    cache = KVQuantCache(fmt, quantize_prefill=True, config=config, layer_formats=layer_formats)
+    x = x.to(_device(model))
+    logits = model(x, past_key_values=cache, use_cache=True).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
 
 
 @torch.no_grad()

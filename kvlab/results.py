@@ -28,7 +28,8 @@ from .paths import RESULTS_DIR
 
 ALPHA = 0.05  # the one significance level of the workbook's paired comparisons
 LONG_SWEEP = RESULTS_DIR / "long_sweep.jsonl"
-STAGES = ("filler", "prose", "cached")
+STAGES = ("filler", "prose", "cached")  # passkey stages
+PPL_STAGE = "perplexity"  # held-out windows: summed NLL per format
 
 
 def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -149,16 +150,25 @@ class LongSweep:
     def _check(r, fmts: dict, where: str) -> None:
         if not isinstance(r, dict):
             raise ValueError(f"{where}: a record must be a JSON object")
-        if r.get("stage") not in STAGES:
-            raise ValueError(f"{where}: stage must be one of {STAGES}, got {r.get('stage')!r}")
+        if r.get("stage") not in STAGES + (PPL_STAGE,):
+            raise ValueError(f"{where}: stage must be one of {STAGES + (PPL_STAGE,)}, got {r.get('stage')!r}")
         for k in ("length", "index"):
             _count(f"{where}: {k}", r.get(k))
         d = r.get("depth")
         if not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d <= 1:
             raise ValueError(f"{where}: depth must be a number in [0, 1], got {d!r}")
-        c = r.get("correct")
-        if not isinstance(c, dict) or not c or any(not isinstance(v, bool) for v in c.values()):
-            raise ValueError(f"{where}: correct must map formats to true/false")
+        if r["stage"] == PPL_STAGE:
+            if _count(f"{where}: tokens", r.get("tokens")) < 1:
+                raise ValueError(f"{where}: tokens must be at least 1, got 0")
+            c = r.get("nll")
+            if not isinstance(c, dict) or not c or any(
+                    not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v < 0
+                    for v in c.values()):
+                raise ValueError(f"{where}: nll must map formats to finite non-negative numbers")
+        else:
+            c = r.get("correct")
+            if not isinstance(c, dict) or not c or any(not isinstance(v, bool) for v in c.values()):
+                raise ValueError(f"{where}: correct must map formats to true/false")
         unknown = set(c) - set(fmts)
         if unknown:
             raise ValueError(f"{where}: formats {sorted(unknown)} are not in the header")
@@ -171,6 +181,28 @@ class LongSweep:
     @property
     def formats(self) -> list[str]:
         return list(self.header["formats"])
+
+    def perplexity(self, fmt: str) -> float:
+        """Held-out perplexity of ``fmt`` over the windows it was measured on (every token reading its cache)."""
+        rows = [r for r in self.records if r["stage"] == PPL_STAGE and fmt in r["nll"]]
+        if not rows:
+            raise KeyError(f"no perplexity windows for {fmt!r}")
+        return math.exp(sum(r["nll"][fmt] for r in rows) / sum(r["tokens"] for r in rows))
+
+    def paired_perplexity(self, fmt: str, reference: str = "fp32") -> dict:
+        """``fmt`` against ``reference`` window by window: the perplexity increase, and the same paired
+        rule as the passkey (a two-sided sign test on the windows where ``fmt`` did worse vs better)."""
+        rows = [r for r in self.records if r["stage"] == PPL_STAGE and fmt in r["nll"] and reference in r["nll"]]
+        if not rows:
+            raise KeyError(f"no perplexity windows where {fmt!r} and {reference!r} both ran")
+        worse = sum(r["nll"][fmt] > r["nll"][reference] for r in rows)
+        better = sum(r["nll"][fmt] < r["nll"][reference] for r in rows)
+        tok = sum(r["tokens"] for r in rows)
+        ppl = math.exp(sum(r["nll"][fmt] for r in rows) / tok)
+        ref = math.exp(sum(r["nll"][reference] for r in rows) / tok)
+        return {"kv_format": fmt, "windows": len(rows), "tokens": tok, "perplexity": ppl, "ref_perplexity": ref,
+                "increase": ppl / ref - 1, "worse_windows": worse, "better_windows": better,
+                "p": mcnemar(worse, better), "verdict": verdict(worse, better)}
 
     def lengths(self, stage: str = "filler") -> list[int]:
         return sorted({r["length"] for r in self.records if r["stage"] == stage})

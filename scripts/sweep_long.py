@@ -10,8 +10,10 @@ Stages, in the order they run (the first answers the headline question soonest):
 1. ``filler``: passkey in repeated filler sentences, the prompt attending in full precision and only
    the stored cache quantized (``transformers``' ``QuantizedCache`` does this); one chunked prefill per
    prompt serves every format, and each format's answer is decoded greedily from its own cache;
-2. ``prose``: the same in English text (:data:`kvlab.tasks.CORPUS_SOURCE`, or ``--haystack-file``);
-3. ``cached``: the prompt itself reading the quantized cache chunk by chunk (vLLM V1 and llama.cpp
+2. ``perplexity``: held-out text in windows of 512 tokens, every token reading the quantized cache
+   (as if decoded one by one), the summed negative log-likelihood of each window per format;
+3. ``prose``: the same passkey in English text (:data:`kvlab.tasks.CORPUS_SOURCE`, or ``--haystack-file``);
+4. ``cached``: the prompt itself reading the quantized cache chunk by chunk (vLLM V1 and llama.cpp
    write K and V to the cache before attending), one prefill per format, at 8k and 32k.
 
 Each record holds ``correct[format]`` (exact match of the 5-digit key), so any two formats can be
@@ -46,13 +48,19 @@ MIXED = {"int4_token@global": ("fp32", {"full_attention": "int4_token"}),
          "int4_token@sliding": ("fp32", {"sliding_attention": "int4_token"})}
 
 
-def formats(quick: bool):
-    """``(formats, mixes)``: the formats swept, and the per-layer-type mix of each mixed one (by name)."""
+def formats(quick: bool, hybrid: bool = True):
+    """``(formats, mixes)``: the formats swept, and the per-layer-type mix of each mixed one (by name).
+
+    The mixes exist only on a hybrid model (``hybrid``: some layers attend through a sliding window);
+    on a model whose layers all attend globally they would repeat a core format.
+    """
     from kvlab.formats import get_format, mitigations
 
     if quick:
         return [get_format(n) for n in ("fp32", "int8", "int4_token")], {}
     fmts = [get_format(n) for n in CORE] + mitigations()
+    if not hybrid:
+        return fmts, {}
     fmts += [get_format(base).with_options(name=n) for n, (base, _) in MIXED.items()]
     return fmts, {n: mix for n, (_, mix) in MIXED.items()}
 
@@ -66,11 +74,12 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens")
     p.add_argument("--haystack-file", type=Path, default=None,
                    help="a UTF-8 text file to cut the prose haystack from (default: the project's corpus)")
-    p.add_argument("--stages", nargs="+", default=["filler", "prose", "cached"],
-                   choices=["filler", "prose", "cached"])
+    p.add_argument("--stages", nargs="+", default=["filler", "perplexity", "prose", "cached"],
+                   choices=["filler", "perplexity", "prose", "cached"])
+    p.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens (the held-out text)")
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     args = p.parse_args(argv)
-    for name in ("per_depth", "chunk"):
+    for name in ("per_depth", "chunk", "windows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.lengths and any(n < 64 for n in args.lengths):
@@ -90,8 +99,8 @@ def main(argv=None):
     lengths = args.lengths or ([256, 1024] if args.quick else LENGTHS)
     depths = [0.0, 1.0] if args.quick else DEPTHS
     per_depth = 1 if args.quick else args.per_depth
-    fmts, mixes = formats(args.quick)
     model, tok = load_model(args.model)
+    fmts, mixes = formats(args.quick, "sliding_attention" in (getattr(model.config, "layer_types", None) or []))
     window = getattr(model.config, "max_position_embeddings", None)
     if window and max(lengths) > window:
         p.error(f"--lengths: {max(lengths)} tokens is past {args.model}'s {window}-token window")
@@ -131,6 +140,18 @@ def main(argv=None):
         per_stage = {"filler": fmts, "prose": fmts,
                      "cached": fmts[1:] if args.quick else [f for f in fmts if f.name in CACHED]}
         mode = {"filler": "full", "prose": "full", "cached": "cached"}
+        if "perplexity" in args.stages:  # every format on identical held-out windows, each token reading the cache
+            wins = evals.perplexity_windows(tok, window=128 if args.quick else 512,
+                                            max_windows=2 if args.quick else args.windows)
+            for i, x in enumerate(wins):
+                if ("perplexity", x.shape[1], 0.0, i) in done:
+                    continue
+                t0 = time.time()
+                nll = {f.name: round(evals.window_nll(model, x, f, mixes.get(f.name)), 4) for f in fmts}
+                write({"stage": "perplexity", "haystack": "heldout", "prefill": "cached", "length": x.shape[1],
+                       "depth": 0.0, "index": i, "tokens": x.shape[1] - 1, "nll": nll,
+                       "seconds": round(time.time() - t0, 1)})
+                print(f"perplexity window #{i}: {time.time() - t0:.1f}s", flush=True)
         for stage, n in plan:
             make = (lambda t, n_, d, r: tasks.passkey(t, n_, d, r, haystack=hay)) if stage == "prose" \
                 else tasks.passkey

@@ -93,6 +93,17 @@ def test_perplexity_fp32_cache_equals_plain_forward(tiny_llama):
     assert ppl == pytest.approx(math.exp((loss + loss2) / 2), rel=1e-4)
 
 
+def test_window_nll_on_a_hybrid_model_reads_each_layer_types_format(tiny_gemma3):
+    x = torch.randint(0, 300, (1, 40))  # longer than the 8-token windows
+    with torch.no_grad():
+        plain = tiny_gemma3(x, labels=x).loss.item() * 39
+    assert evals.window_nll(tiny_gemma3, x, "fp32") == pytest.approx(plain, rel=1e-4)
+    only_global = evals.window_nll(tiny_gemma3, x, "fp32", {"full_attention": "int4_tensor"})
+    only_windows = evals.window_nll(tiny_gemma3, x, "fp32", {"sliding_attention": "int4_tensor"})
+    everywhere = evals.window_nll(tiny_gemma3, x, "int4_tensor")
+    assert len({round(v, 6) for v in (plain, only_global, only_windows, everywhere)}) == 4
+
+
 def test_teacher_comparison_against_itself_is_perfect(tiny_llama):
     out = evals.teacher_comparison(tiny_llama, CharTok(), "fp32", ["The sky looks blue."], max_new_tokens=8)
     assert out["kl"] == pytest.approx(0.0, abs=1e-9) and out["top1_agreement"] == 1.0

@@ -81,7 +81,30 @@ def test_paired_counts_discordant_prompts(tmp_path):
         s.paired("filler", "int4", 2048)
 
 
+def _ppl(i, tokens=10, **nll):
+    return {"stage": "perplexity", "length": tokens + 1, "depth": 0.0, "index": i, "tokens": tokens, "nll": nll}
+
+
+def test_perplexity_windows_are_paired_by_the_same_rule(tmp_path):
+    recs = [_ppl(i, fp32=20.0, int4=21.0 + (i == 0) * -2) for i in range(8)]  # worse on 7 windows, better on 1
+    s = R.LongSweep.load(_write(tmp_path, recs))
+    assert s.perplexity("fp32") == pytest.approx(math.exp(2.0))
+    row = s.paired_perplexity("int4")
+    assert (row["windows"], row["worse_windows"], row["better_windows"]) == (8, 7, 1)
+    assert row["p"] == pytest.approx(R.mcnemar(7, 1)) and row["verdict"] == "not distinguishable"
+    assert row["increase"] == pytest.approx(math.exp((7 * 21 + 19) / 80) / math.exp(2.0) - 1)
+    s8 = R.LongSweep.load(_write(tmp_path, [_ppl(i, fp32=20.0, int4=20.5) for i in range(8)]))
+    assert s8.paired_perplexity("int4")["verdict"] == "worse"  # 8 of 8 windows worse: p < 0.05
+    assert s8.table("filler") == [] and s8.lengths("filler") == []  # perplexity windows are no passkey prompts
+    with pytest.raises(KeyError, match="no perplexity"):
+        s8.paired_perplexity("int8")
+
+
 @pytest.mark.parametrize("line, msg", [
+    (_ppl(0, fp32=-1.0), "nll"),
+    (_ppl(0, fp32=float("inf")), "nll"),
+    (_ppl(0, fp32=True), "nll"),
+    ({**_ppl(0, fp32=1.0), "tokens": 0}, "tokens"),
     ({"stage": "x", "length": 1, "depth": 0, "index": 0, "correct": {"fp32": True}}, "stage"),
     ({"stage": "filler", "length": -1, "depth": 0, "index": 0, "correct": {"fp32": True}}, "length"),
     ({"stage": "filler", "length": 1, "depth": 2, "index": 0, "correct": {"fp32": True}}, "depth"),
