@@ -28,6 +28,10 @@ from .paths import RESULTS_DIR
 
 ALPHA = 0.05  # the one significance level of the workbook's paired comparisons
 LONG_SWEEP = RESULTS_DIR / "long_sweep.jsonl"
+LONG_SWEEPS = {"smollm2-135m": RESULTS_DIR / "long_sweep_smollm2.jsonl", "gemma3-270m": LONG_SWEEP}  # one per model
+# "looks fine on perplexity": a paired test on 16 windows detects even FP8's tiny increase, so the trap's
+# first rung needs a tolerance; 5% is the limit chapter 5's quality-adjusted cost also uses
+PPL_TOLERANCE = 0.05
 STAGES = ("filler", "prose", "cached")  # passkey stages
 PPL_STAGE = "perplexity"  # held-out windows: summed NLL per format
 
@@ -280,6 +284,110 @@ class LongSweep:
                           title=f"{self.model}, {stage} haystack: hollow = worse than {reference} (paired, p < {ALPHA})",
                           height=420, margin=dict(t=50, b=40), legend=dict(orientation="h", y=-0.2))
         return fig
+
+
+def load_long_sweeps() -> dict[str, LongSweep]:
+    """``{model: LongSweep}`` for every model whose long sweep is shipped (:data:`LONG_SWEEPS`)."""
+    return {m: LongSweep.load(p) for m, p in LONG_SWEEPS.items() if p.is_file()}
+
+
+def rungs(sweep: LongSweep, stage: str = "filler", reference: str = "fp32",
+          ppl_tolerance: float = PPL_TOLERANCE) -> list[dict]:
+    """What each eval rung says of each format on one model, all on identical prompts or windows.
+
+    Per format: the perplexity increase (None if not measured) and whether it is within
+    ``ppl_tolerance``; the paired verdict at the shortest passkey length (*the short needle*); the
+    first length where the paired test finds it worse (*falls_at*, None: never) and every such length
+    (*worse_at*: a format can be worse at one length and not distinguishable at the next); and ``trap``: it
+    looks fine on perplexity and on the short needle, and is worse at some longer length, which only
+    a long-context eval catches.
+    """
+    if not 0 <= ppl_tolerance < 10 or isinstance(ppl_tolerance, bool):
+        raise ValueError(f"ppl_tolerance must be a fraction in [0, 10), got {ppl_tolerance!r}")
+    lengths = sweep.lengths(stage)
+    if not lengths:
+        raise ValueError(f"the {sweep.model} sweep has no {stage!r} prompts")
+    rows = []
+    for fmt in sweep.formats:
+        if fmt == reference:
+            continue
+        try:
+            ppl = sweep.paired_perplexity(fmt, reference)["increase"]
+        except KeyError:
+            ppl = None
+        try:
+            short = sweep.paired(stage, fmt, lengths[0], reference).verdict
+        except KeyError:
+            continue
+        falls = sweep.fails_at(stage, fmt, reference)
+        worse_at = [n for n in lengths if _verdict_or_none(sweep, stage, fmt, n, reference) == "worse"]
+        ppl_ok = ppl is not None and ppl <= ppl_tolerance
+        rows.append({"kv_format": fmt, "ppl_increase": ppl, "ppl_ok": ppl_ok, "short": lengths[0],
+                     "short_verdict": short, "falls_at": falls, "worse_at": worse_at,
+                     "trap": bool(ppl_ok and short != "worse" and falls is not None and falls > lengths[0])})
+    return rows
+
+
+def _verdict_or_none(sweep, stage, fmt, n, reference):
+    try:
+        return sweep.paired(stage, fmt, n, reference).verdict
+    except KeyError:
+        return None
+
+
+def figure_by_model(sweeps: dict[str, LongSweep], formats: list[str], stage: str = "filler",
+                    reference: str = "fp32"):
+    """Exact match by context length, one panel per model, one line per format (the same colour in each
+    panel), 95% Wilson bars; a hollow marker where the paired test finds the format worse than ``reference``."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
+
+    if not sweeps:
+        raise ValueError("give at least one sweep")
+    fig = make_subplots(rows=1, cols=len(sweeps), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[f"{m} ({max(s.lengths(stage)):,} tokens max)" for m, s in sweeps.items()])
+    colours = qualitative.Plotly + qualitative.D3
+    for col, (model, sw) in enumerate(sweeps.items(), start=1):
+        table = sw.table(stage, reference)
+        for k, fmt in enumerate(formats):
+            rows = [r for r in table if r["kv_format"] == fmt]
+            if not rows:
+                continue
+            fig.add_trace(go.Scatter(
+                x=[r["length"] for r in rows], y=[r["rate"] for r in rows], name=fmt, legendgroup=fmt,
+                showlegend=col == 1, mode="lines+markers", line=dict(color=colours[k % len(colours)]),
+                marker=dict(symbol=["circle-open" if r["verdict"] == "worse" else "circle" for r in rows], size=9),
+                error_y=dict(type="data", symmetric=False, array=[r["hi"] - r["rate"] for r in rows],
+                             arrayminus=[r["rate"] - r["lo"] for r in rows], thickness=1),
+                customdata=[[r["prompts"], r["verdict"], r["p"]] for r in rows],
+                hovertemplate="%{x} tokens: %{y:.0%} of %{customdata[0]} prompts<br>"
+                              "%{customdata[1]} (McNemar p=%{customdata[2]:.3f})<extra>" + fmt + "</extra>"), 1, col)
+        fig.update_xaxes(type="log", title_text="context (tokens)", tickvals=sw.lengths(stage),
+                         ticktext=[f"{n // 1024}k" for n in sw.lengths(stage)], row=1, col=col)
+    fig.update_yaxes(title_text="passkey exact match", range=[-0.05, 1.05], tickformat=".0%", row=1, col=1)
+    fig.update_layout(height=440, margin=dict(t=70, b=40), legend=dict(orientation="h", y=-0.22),
+                      title=f"Passkey by context length, {stage} haystack; hollow = worse than {reference} "
+                            f"on the same prompts (exact McNemar, p < {ALPHA})")
+    return fig
+
+
+def verdict_markdown(sweeps: dict[str, LongSweep], formats: list[str], stage: str = "filler",
+                     reference: str = "fp32") -> str:
+    """A Markdown table: one row per format, one column per (model, length), ``correct/prompts``, bold with
+    a ✗ where the paired test finds the format worse than ``reference``."""
+    cols = [(m, n) for m, s in sweeps.items() for n in s.lengths(stage)]
+    cells = {(m, r["kv_format"], r["length"]): r for m, s in sweeps.items() for r in s.table(stage, reference)}
+    head = "| format | " + " | ".join(f"{m.split('-')[0]} {n // 1024}k" for m, n in cols) + " |"
+    out = [head, "|---" * (len(cols) + 1) + "|"]
+    for fmt in formats:
+        row = []
+        for m, n in cols:
+            r = cells.get((m, fmt, n))
+            row.append("—" if r is None else f"**{r['correct']}/{r['prompts']} ✗**" if r["verdict"] == "worse"
+                       else f"{r['correct']}/{r['prompts']}")
+        out.append(f"| `{fmt}` | " + " | ".join(row) + " |")
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- per-cell results

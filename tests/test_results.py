@@ -100,6 +100,31 @@ def test_perplexity_windows_are_paired_by_the_same_rule(tmp_path):
         s8.paired_perplexity("int8")
 
 
+def test_rungs_find_the_trap_only_past_the_short_needle(tmp_path):
+    fmts = {"fp32": {}, "trapped": {}, "caught": {}, "costly": {}, "fine": {}}
+    recs = [_ppl(i, fp32=20.0, trapped=20.2, caught=20.2, costly=25.0, fine=20.0) for i in range(4)]
+    for n in (1024, 8192):
+        for i in range(10):  # "trapped" and "costly" lose 8 of 10 at 8k only; "caught" already at 1k
+            late = n == 8192 and i < 8
+            recs.append(_rec("filler", n, 0.0, i, fp32=True, trapped=not late, caught=i >= 8, costly=not late, fine=True))
+    s = R.LongSweep.load(_write(tmp_path, recs, {"kind": "header", "model": "m", "formats": fmts}))
+    rows = {r["kv_format"]: r for r in R.rungs(s)}
+    assert [n for n, r in rows.items() if r["trap"]] == ["trapped"]
+    assert rows["caught"]["short_verdict"] == "worse" and rows["caught"]["worse_at"] == [1024, 8192]
+    assert rows["costly"]["falls_at"] == 8192 and not rows["costly"]["ppl_ok"]  # perplexity already flags it
+    assert rows["fine"]["falls_at"] is None and rows["fine"]["worse_at"] == []
+    assert R.rungs(s, ppl_tolerance=0.7)[2]["trap"]  # "costly" (+65%) is trapped once that counts as fine
+    with pytest.raises(ValueError, match="ppl_tolerance"):
+        R.rungs(s, ppl_tolerance=-0.1)
+    with pytest.raises(ValueError, match="no 'prose' prompts"):
+        R.rungs(s, "prose")
+    md = R.verdict_markdown({"m": s}, ["fp32", "trapped"])
+    assert "| `trapped` | 10/10 | **2/10 ✗** |" in md
+    fig = R.figure_by_model({"m": s, "m2": s}, ["fp32", "trapped"])
+    assert len(fig.data) == 4 and [t.showlegend for t in fig.data] == [True, True, False, False]
+    assert list(fig.data[1].marker.symbol) == ["circle", "circle-open"]
+
+
 @pytest.mark.parametrize("line, msg", [
     (_ppl(0, fp32=-1.0), "nll"),
     (_ppl(0, fp32=float("inf")), "nll"),
