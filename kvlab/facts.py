@@ -38,6 +38,105 @@ def _claim(ok, evidence=None) -> tuple[bool, object]:
     return bool(ok), evidence
 
 
+# --------------------------------------------------------------------------- chapter 4
+
+CH4_NAMES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
+CH4_KEYS = {"smollm2-135m": "S", "gemma3-270m": "G"}  # how the prose names each model's facts
+CH4_FIGURE = ["fp32", "fp8_e4m3", "int8", "q4_0", "int4", "int4_token", "int4_tensor", "kivi-4", "kivi-2"]
+
+
+def names_md(fmts: list[str], empty: str = "none") -> str:
+    """``a``, ``b`` and ``c`` as Markdown code, or ``empty``."""
+    fmts = [f"`{f}`" for f in fmts]
+    if not fmts:
+        return empty
+    return fmts[0] if len(fmts) == 1 else ", ".join(fmts[:-1]) + " and " + fmts[-1]
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def _model_facts(sweep) -> dict:
+    """What one model's long sweep says, rung by rung (the sentences of 4.1 and 4.2 read these)."""
+    from .results import rungs
+
+    rows = rungs(sweep)
+    by = {r["kv_format"]: r for r in rows}
+    lengths = sweep.lengths("filler")
+    ref = {n: sweep.counts("filler", "fp32", n) for n in lengths}
+    prompts = {t for _, t in ref.values()}
+    fell = {f: r["worse_at"] for f, r in by.items() if r["worse_at"]}
+    flips = [f for f, at in fell.items() if any(n not in at for n in lengths if n > at[0])]
+    seconds = sum(r.get("seconds", 0) for r in sweep.records)
+    ppl = {f: r["ppl_increase"] for f, r in by.items() if r["ppl_increase"] is not None}
+    return {
+        "name": CH4_NAMES.get(sweep.model, sweep.model), "model": sweep.model, "rows": rows, "by": by,
+        "lengths": lengths, "longest": lengths[-1], "longest_k": _k(lengths[-1]), "shortest_k": _k(lengths[0]),
+        "lengths_text": ", ".join(_k(n) for n in lengths), "prompts": min(prompts), "prompts_all": prompts,
+        "ref": ref, "ref_text": ", ".join(f"{c}/{t} at {_k(n)}" for n, (c, t) in ref.items()),
+        "never": [f for f in by if f not in fell], "never_md": names_md([f for f in by if f not in fell]),
+        "short": [f for f, r in by.items() if r["short_verdict"] == "worse"],
+        "short_md": names_md([f for f, r in by.items() if r["short_verdict"] == "worse"]),
+        "later": [f for f, r in by.items() if r["short_verdict"] != "worse" and r["worse_at"]],
+        "later_md": names_md([f"{f}` ({', '.join(_k(n) for n in r['worse_at'])})`" for f, r in by.items()
+                              if r["short_verdict"] != "worse" and r["worse_at"]]).replace("``", ""),
+        "trap": [f for f, r in by.items() if r["trap"]], "trap_md": names_md([f for f, r in by.items() if r["trap"]]),
+        "flips": flips, "flips_md": names_md(flips),
+        "ppl": ppl, "ppl_windows": len([r for r in sweep.records if r["stage"] == "perplexity"]),
+        "ppl_flags": [f for f, r in by.items() if r["ppl_increase"] is not None and not r["ppl_ok"]],
+        "hours": seconds / 3600, "machine": sweep.header.get("machine", "?"), "date": sweep.header.get("date", "?"),
+        "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
+        "prose_lengths": sweep.lengths("prose"), "cached_lengths": sweep.lengths("cached"),
+    }
+
+
+def _rungs_md(models: list[dict], fmts: list[str]) -> str:
+    """One row per format: per model, the perplexity increase, the short needle's verdict, where it is worse."""
+    head = "| format | " + " | ".join(f"{m['name']}: perplexity | short needle ({m['shortest_k']}) | worse at"
+                                     for m in models) + " |"
+    out = [head, "|---" * (1 + 3 * len(models)) + "|"]
+    for f in fmts:
+        if f == "fp32":
+            continue
+        cells = []
+        for m in models:
+            r = m["by"].get(f)
+            if r is None:
+                cells += ["—"] * 3
+                continue
+            ppl = "—" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}"
+            cells += [f"**{ppl}**" if r["ppl_increase"] is not None and not r["ppl_ok"] else ppl,
+                      "**worse**" if r["short_verdict"] == "worse" else "not worse",
+                      ", ".join(_k(n) for n in r["worse_at"]) or "never"]
+        out.append(f"| `{f}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def where_int4_breaks(sweeps: dict | None = None) -> Facts:
+    """Chapter 4: which formats each model's paired long-context sweep finds worse than full precision, where."""
+    from .results import PPL_TOLERANCE, load_long_sweeps
+
+    sweeps = sweeps if sweeps is not None else load_long_sweeps()
+    values: dict = {"sweeps": sweeps, "ppl_tolerance": PPL_TOLERANCE, "figure_formats": CH4_FIGURE}
+    for model, sw in sweeps.items():
+        values[CH4_KEYS.get(model, model)] = _model_facts(sw)
+    values["provenance_md"] = "\n".join(
+        f"* **{m['name']}**: lengths {m['lengths_text']} (filler), {m['prompts']} identical prompts a point "
+        f"(5 depths), {len(m['by']) + 1} formats; {m['hours']:.1f} hours of sweep so far on {m['machine']} "
+        f"({m['date']}, torch {m['torch']}, transformers {m['transformers']})"
+        for m in (values[CH4_KEYS.get(k, k)] for k in sweeps))
+    keys = [CH4_KEYS.get(k, k) for k in sweeps]
+    values["table_formats"] = list(dict.fromkeys(f for k in sweeps for f in sweeps[k].formats))
+    values["rungs_md"] = _rungs_md([values[k] for k in keys], values["table_formats"])
+    claims = {
+        "every model's sweep ran at least 25 identical prompts a point":
+            _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),
+                   {k: values[CH4_KEYS.get(k, k)]["prompts_all"] for k in sweeps}),
+    }
+    return Facts(values, claims)
+
+
 # --------------------------------------------------------------------------- chapter 5
 
 CH5_MODEL, CH5_GPU, CH5_SWEEP_GPU = "llama-3.1-8b", "L4", "H100-80GB"

@@ -348,7 +348,7 @@ def figure_by_model(sweeps: dict[str, LongSweep], formats: list[str], stage: str
     fig = make_subplots(rows=1, cols=len(sweeps), shared_yaxes=True, horizontal_spacing=0.04,
                         subplot_titles=[f"{m} ({max(s.lengths(stage)):,} tokens max)" for m, s in sweeps.items()])
     colours = qualitative.Plotly + qualitative.D3
-    for col, (model, sw) in enumerate(sweeps.items(), start=1):
+    for col, sw in enumerate(sweeps.values(), start=1):
         table = sw.table(stage, reference)
         for k, fmt in enumerate(formats):
             rows = [r for r in table if r["kv_format"] == fmt]

@@ -13,10 +13,14 @@ streaming, no batching. The standard library's ``ThreadingHTTPServer`` does the 
 from __future__ import annotations
 
 import json
+import math
+import select
+import socket
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import torch
 
@@ -24,6 +28,11 @@ from .evals import PREFILL_MODES, prefill
 from .formats import get_format
 
 MAX_LOGPROBS = 20
+SOCKET_TIMEOUT_S = 30.0  # a client that sends nothing for this long is dropped (a half-sent request cannot pin a thread)
+MAX_JSON_DEPTH = 32  # deeper JSON is refused before parsing (Python's parser would recurse into it)
+# every field of /v1/completions this server reads; anything else is refused with 400 rather than ignored
+FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "best_of", "stream", "logprobs", "echo",
+          "stop", "seed", "presence_penalty", "frequency_penalty", "user"}
 
 
 class RequestError(ValueError):
@@ -34,13 +43,141 @@ class RequestError(ValueError):
         self.status = status
 
 
-def _int_field(body: dict, name: str, default, lo: int, hi: int):
+class _NotStrict(ValueError):
+    pass
+
+
+def _no_constant(name: str):
+    raise _NotStrict(f"{name} is not a JSON number")
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its completion was being generated."""
+
+
+def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bool = False):
     v = body.get(name, default)
-    if v is None:
+    if v is None and nullable:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise RequestError(400, f"{name!r} must be an integer in [{lo}, {hi}], got {v!r}")
+        raise RequestError(400, f"{name!r} must be an integer in [{lo}, {hi}], got {str(v)[:40]!r}")
     return v
+
+
+def _number_field(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise RequestError(400, f"{name!r} must be a number in [{lo}, {hi}], got {str(v)[:40]!r}")
+    return float(v)
+
+
+def _json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when no array or object in ``raw`` nests deeper than ``limit`` (brackets inside strings ignored)."""
+    depth, in_str, esc = 0, False, False
+    for b in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:  # backslash
+                esc = True
+            elif b == 0x22:  # quote
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """HTTP for one :class:`CompletionServer` (``server.kvlab``): validation here, the model in the server."""
+
+    timeout = SOCKET_TIMEOUT_S  # applied to the socket by StreamRequestHandler.setup
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args):  # quiet: the client reports
+        pass
+
+    def _send(self, status: int, doc: dict):
+        data = json.dumps(doc, allow_nan=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self._send(status, {"error": {"message": message, "type": kind, "code": status}})
+
+    def do_GET(self):
+        srv = self.server.kvlab
+        if self.path == "/health":
+            return self._send(200, {"status": "ok"})
+        if self.path == "/v1/models":
+            return self._send(200, {"object": "list", "data": [
+                {"id": srv.name, "object": "model", "owned_by": "kvlab",
+                 "kv_format": srv.fmt.name, "max_model_len": srv.max_context}]})
+        self._error(404, f"no route GET {self.path}")
+
+    def _body(self) -> dict:
+        """The request's JSON object, its size checked against the limit before a byte of it is read."""
+        srv = self.server.kvlab
+        raw_len = self.headers.get("Content-Length")
+        if raw_len is None:
+            raise RequestError(411, "a POST needs a Content-Length header")
+        if not raw_len.strip().isdigit():
+            raise RequestError(400, f"Content-Length must be a non-negative integer, got {raw_len[:40]!r}")
+        n = int(raw_len)
+        if n > srv.max_body:
+            raise RequestError(413, f"the request body is {n} bytes; this server takes at most {srv.max_body} "
+                                    f"(prompts of up to {srv.max_context} tokens)")
+        raw = self.rfile.read(n)
+        if len(raw) < n:
+            raise RequestError(400, f"the request body ended after {len(raw)} of {n} bytes")
+        if not _json_depth_ok(raw):
+            raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        try:
+            body = json.loads(raw or b"null", parse_constant=_no_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"the request body is not JSON: {e}") from None
+        except _NotStrict as e:
+            raise RequestError(400, f"the request body is not strict JSON: {e}") from None
+        except ValueError as e:  # e.g. an integer of thousands of digits
+            raise RequestError(400, f"the request body has a number out of range: {str(e)[:80]}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        return body
+
+    def do_POST(self):
+        srv = self.server.kvlab
+        try:
+            body = self._body()
+            if self.path == "/v1/completions":
+                return self._send(200, srv.complete(body, gone=self._client_gone))
+            if self.path == "/tokenize":
+                return self._send(200, srv.tokenize(body))
+            raise RequestError(404, f"no route POST {self.path}")
+        except RequestError as e:
+            self._error(e.status, str(e))
+        except ClientGone:
+            self.close_connection = True  # nobody to answer
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a server answers 500 rather than dropping the socket
+            self._error(500, f"{type(e).__name__}: {e}")
+
+    def _client_gone(self) -> bool:
+        """True when the client has closed its side (readable with nothing to read)."""
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
 
 class CompletionServer:
@@ -48,65 +185,34 @@ class CompletionServer:
 
     >>> with CompletionServer(model, tok, "int4") as srv:   # a background thread
     ...     print(srv.url)                                  # http://127.0.0.1:PORT
+
+    Limits, checked where a request enters: a body of at most :attr:`max_body` bytes (derived from the
+    model's context and its tokenizer's longest token, so any prompt that could fit is accepted) and a
+    prompt string that cannot be longer than the context, both refused with 413 before tokenizing; a
+    socket idle for :data:`SOCKET_TIMEOUT_S` is closed; a generation whose client has gone stops.
     """
 
     def __init__(self, model, tok, kv_format: str, *, name: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, prefill_mode: str = "full", max_tokens: int = 512, max_context: int | None = None):
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
-        if not isinstance(port, int) or not 0 <= port <= 65535:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+        for arg, v in (("max_tokens", max_tokens), ("max_context", max_context)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{arg} must be a positive integer, got {v!r}")
         self.model, self.tok, self.fmt = model, tok, get_format(kv_format)
-        self.name = name or getattr(model.config, "_name_or_path", "") or "kvlab"
+        self.name = name or Path(str(getattr(model.config, "_name_or_path", "") or "kvlab")).name or "kvlab"
         self.prefill_mode, self.max_tokens = prefill_mode, max_tokens
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", 8192)
+        # a token is at most this many characters, so a longer string cannot fit in the context
+        self.max_prompt_chars = self.max_context * _longest_token(tok)
+        # JSON may escape each character as \uXXXX (6 bytes); token-id lists take at most 12 bytes an id
+        self.max_body = 65536 + max(6 * self.max_prompt_chars, 12 * self.max_context)
         self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # quiet: the client reports
-                pass
-
-            def _send(self, status: int, doc: dict):
-                data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _error(self, status: int, message: str):
-                self._send(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
-
-            def do_GET(self):
-                if self.path == "/health":
-                    return self._send(200, {"status": "ok"})
-                if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": [
-                        {"id": server.name, "object": "model", "owned_by": "kvlab",
-                         "kv_format": server.fmt.name, "max_model_len": server.max_context}]})
-                self._error(404, f"no route GET {self.path}")
-
-            def do_POST(self):
-                try:
-                    n = int(self.headers.get("Content-Length") or 0)
-                    body = json.loads(self.rfile.read(n) or b"null")
-                    if not isinstance(body, dict):
-                        raise RequestError(400, "the request body must be a JSON object")
-                    if self.path == "/v1/completions":
-                        return self._send(200, server.complete(body))
-                    if self.path == "/tokenize":
-                        return self._send(200, server.tokenize(body))
-                    raise RequestError(404, f"no route POST {self.path}")
-                except json.JSONDecodeError as e:
-                    self._error(400, f"the request body is not JSON: {e}")
-                except RequestError as e:
-                    self._error(e.status, str(e))
-                except Exception as e:  # noqa: BLE001 - a server answers 500 rather than dropping the socket
-                    self._error(500, f"{type(e).__name__}: {e}")
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = ThreadingHTTPServer((host, port), _Handler)
         self.httpd.daemon_threads = True
+        self.httpd.kvlab = self
         self.host, self.port = host, self.httpd.server_address[1]
         self._thread: threading.Thread | None = None
 
@@ -134,11 +240,21 @@ class CompletionServer:
         self.close()
 
     # ------------------------------------------------------------------ the API
+    def _text(self, text: str, field: str) -> str:
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(413, f"{field!r} has {len(text)} characters: more than the {self.max_context}-token "
+                                    f"context can hold (at most {self.max_prompt_chars} characters)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(400, f"{field!r} is not valid Unicode (a lone surrogate?)") from None
+        return text
+
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.tok.encode(prompt, add_special_tokens=False)
+            ids = self.tok.encode(self._text(prompt, "prompt"), add_special_tokens=False)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
             vocab = self.model.config.vocab_size
@@ -154,36 +270,64 @@ class CompletionServer:
         text = body.get("prompt", body.get("content"))
         if not isinstance(text, str):
             raise RequestError(400, "/tokenize takes {'prompt': text} (vLLM) or {'content': text} (llama.cpp)")
-        ids = self.tok.encode(text, add_special_tokens=False)
+        ids = self.tok.encode(self._text(text, "prompt"), add_special_tokens=False)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_context}
 
-    def complete(self, body: dict) -> dict:
-        """Answer one ``/v1/completions`` request body (a dict); raises :class:`RequestError`."""
+    def _stop(self, body: dict) -> list[str]:
+        stop = body.get("stop")
+        if stop is None:
+            return []
+        stop = [stop] if isinstance(stop, str) else stop
+        if (not isinstance(stop, list) or not 1 <= len(stop) <= 4
+                or any(not isinstance(x, str) or not x or len(x) > 256 for x in stop)):
+            raise RequestError(400, "'stop' must be a string or a list of 1 to 4 non-empty strings (each up to 256 "
+                                    "characters)")
+        return [self._text(x, "stop") for x in stop]
+
+    def complete(self, body: dict, gone=None) -> dict:
+        """Answer one ``/v1/completions`` request body (a dict); raises :class:`RequestError`.
+
+        ``gone``: a callable polled between decoding steps; when it returns True the client has left
+        and the generation stops (:class:`ClientGone`) instead of holding the model for nobody.
+        """
+        unknown = sorted(set(body) - FIELDS)
+        if unknown:
+            raise RequestError(400, f"unsupported field(s) {', '.join(map(repr, unknown[:5]))}; this server reads "
+                                    f"{', '.join(sorted(FIELDS))}")
         if body.get("model") not in (None, self.name):
-            raise RequestError(404, f"model {body['model']!r} does not exist; this server serves {self.name!r}")
-        if body.get("stream"):
+            raise RequestError(404, f"model {str(body['model'])[:80]!r} does not exist; this server serves {self.name!r}")
+        if body.get("stream") not in (None, False):
             raise RequestError(400, "stream=true is not supported")
         _int_field(body, "n", 1, 1, 1)  # only n=1: anything else is refused with its range
-        if body.get("best_of", 1) != 1:
-            raise RequestError(400, "only best_of=1 is supported")
-        temp = body.get("temperature", 0)
-        if not isinstance(temp, int | float) or temp != 0:
+        _int_field(body, "best_of", 1, 1, 1)
+        temp = _number_field(body, "temperature", 0, 0, 2)
+        if temp != 0:
             raise RequestError(400, f"this server decodes greedily: 'temperature' must be 0, got {temp!r}")
+        _number_field(body, "top_p", 1, 0, 1)  # greedy decoding: any valid top_p gives the same tokens
+        _int_field(body, "seed", 0, -(2**63), 2**64 - 1, nullable=True)  # greedy: nothing random to seed
+        for pen in ("presence_penalty", "frequency_penalty"):
+            if _number_field(body, pen, 0, -2, 2) != 0:
+                raise RequestError(400, f"{pen!r} is not supported (only 0)")
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise RequestError(400, "'user' must be a string")
         max_new = _int_field(body, "max_tokens", 16, 0, self.max_tokens)
-        k = _int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
+        k = _int_field(body, "logprobs", None, 0, MAX_LOGPROBS, nullable=True)
         echo = body.get("echo", False)
         if not isinstance(echo, bool):
-            raise RequestError(400, f"'echo' must be true or false, got {echo!r}")
+            raise RequestError(400, f"'echo' must be true or false, got {str(echo)[:40]!r}")
+        stop = self._stop(body)
         ids = self._prompt_ids(body.get("prompt"))
         if len(ids) + max_new > self.max_context:
             raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds the "
                                     f"model's context of {self.max_context}")
         with self._lock, torch.no_grad():
-            new, steps, prompt_lp = self._generate(ids, max_new, k, echo)
-        return self._response(ids, new, steps, prompt_lp, k, echo)
+            if gone is not None and gone():
+                raise ClientGone
+            new, steps, prompt_lp, stopped = self._generate(ids, max_new, k, echo, stop, gone)
+        return self._response(ids, new, steps, prompt_lp, k, echo, stop, stopped)
 
-    def _generate(self, ids: list[int], max_new: int, k, echo: bool):
-        """Greedy tokens, each step's log-probabilities, and (with echo) the prompt's."""
+    def _generate(self, ids: list[int], max_new: int, k, echo: bool, stop=(), gone=None):
+        """Greedy tokens, each step's log-probabilities, (with echo) the prompt's, and whether a stop string ended it."""
         from .cache import KVQuantCache
 
         model, dev = self.model, next(self.model.parameters()).device
@@ -209,11 +353,15 @@ class CompletionServer:
             nxt = int(step.argmax())
             new.append(nxt)
             steps.append(step)
+            if stop and any(s in self.tok.decode(new) for s in stop):
+                return new, steps, prompt_lp, True
             if nxt == eos or i == max_new - 1:
                 break
+            if gone is not None and gone():
+                raise ClientGone
             out = model(torch.tensor([[nxt]], device=dev), past_key_values=cache, use_cache=True)
             step = torch.log_softmax(out.logits[0, -1].float(), -1)
-        return new, steps, prompt_lp
+        return new, steps, prompt_lp, False
 
     def _piece(self, t: int) -> str:
         return self.tok.decode([t])
@@ -222,23 +370,25 @@ class CompletionServer:
         vals, idx = lp.topk(max(k, 1))
         top: dict[str, float] = {}
         for v, i in zip(vals.tolist(), idx.tolist()):
-            top.setdefault(self._piece(i), v)  # two ids that decode alike: the likelier one
+            top.setdefault(self._piece(i), _logprob(v))  # two ids that decode alike: the likelier one
         return top
 
-    def _response(self, ids, new, steps, prompt_lp, k, echo) -> dict:
+    def _response(self, ids, new, steps, prompt_lp, k, echo, stop=(), stopped=False) -> dict:
         text = self.tok.decode(new)
+        if stopped:  # the text ends before the first stop string, as OpenAI's and vLLM's do
+            text = text[:min(text.find(s) for s in stop if s in text)]
         eos = self.tok.eos_token_id
-        finish = "stop" if new and new[-1] == eos else "length"
+        finish = "stop" if stopped or (new and new[-1] == eos) else "length"
         logprobs = None
         if k is not None:
             toks, tlp, tops = [], [], []
             if echo:
                 toks += [self._piece(t) for t in ids]
-                tlp += [None] + [float(prompt_lp[i, t]) for i, t in enumerate(ids[1:])]
+                tlp += [None] + [_logprob(prompt_lp[i, t]) for i, t in enumerate(ids[1:])]
                 tops += [None] + [self._top(prompt_lp[i], k) for i in range(len(ids) - 1)]
             for t, lp in zip(new, steps):
                 toks.append(self._piece(t))
-                tlp.append(float(lp[t]))
+                tlp.append(_logprob(lp[t]))
                 tops.append(self._top(lp, k))
             offsets, pos = [], 0
             for piece in toks:
@@ -252,3 +402,22 @@ class CompletionServer:
             "choices": [{"index": 0, "text": prompt_text + text, "logprobs": logprobs, "finish_reason": finish}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new), "total_tokens": len(ids) + len(new)},
         }
+
+
+def _longest_token(tok) -> int:
+    """The most characters one token of ``tok`` decodes to (at least 16: byte fallbacks and added tokens)."""
+    try:
+        vocab = tok.get_vocab()
+    except (AttributeError, TypeError):
+        return 64
+    return max(16, max((len(t) for t in vocab), default=16))
+
+
+LOGPROB_FLOOR = -9999.0  # what vLLM's OpenAI server reports for a probability of zero (strict JSON has no -Infinity)
+
+
+def _logprob(v) -> float:
+    v = float(v)
+    if math.isnan(v):
+        raise ValueError("the model produced a NaN log-probability")
+    return max(v, LOGPROB_FLOOR)

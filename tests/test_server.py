@@ -1,0 +1,184 @@
+"""kvlab serve under hostile clients: limits before work, 4xx for client errors, timeouts, cancellation, strict JSON."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlab import server as S
+
+
+@pytest.fixture(scope="module")
+def srv(shipped):
+    model, tok = shipped
+    s = S.CompletionServer(model, tok, "int8", name="tiny", max_context=256).start()
+    yield s
+    s.close()
+
+
+def _post(srv, body=None, *, raw: bytes | None = None, headers=None, path="/v1/completions"):
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(srv.url + path, content=content, headers=headers or {}, timeout=30)
+
+
+def _raw(srv, data: bytes, wait: float = 5.0) -> bytes:
+    """Send bytes on a fresh socket and read whatever comes back (the status line is what matters)."""
+    with socket.create_connection((srv.host, srv.port), timeout=wait) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(4096):
+                out += chunk
+        except TimeoutError:
+            pass
+    return out
+
+
+def test_the_model_id_is_a_name_not_a_path(shipped):
+    model, tok = shipped
+    s = S.CompletionServer(model, tok, "fp32")
+    try:
+        assert "/" not in s.name and s.name
+    finally:
+        s.httpd.server_close()
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(srv):
+    head = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n{}" % (srv.max_body + 1))
+    assert head.startswith(b"HTTP/1.0 413 ") and b"at most" in head
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_413_before_tokenizing(srv, monkeypatch):
+    calls = []
+    monkeypatch.setattr(srv.tok, "encode", lambda *a, **k: calls.append(1) or [1])
+    r = _post(srv, {"prompt": "a" * (srv.max_prompt_chars + 1)})
+    assert r.status_code == 413 and "characters" in r.json()["error"]["message"] and not calls
+
+
+@pytest.mark.parametrize("body, status, why", [
+    ({"prompt": "x", "max_tokens": None}, 400, "max_tokens"),
+    ({"prompt": "x", "stop": ""}, 400, "stop"),
+    ({"prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
+    ({"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ({"prompt": "x", "presence_penalty": 1}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "unsupported field"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ({"prompt": "x", "model": ["a"]}, 404, "does not exist"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+])
+def test_client_errors_are_4xx_with_a_message(srv, body, status, why):
+    r = _post(srv, body)
+    assert r.status_code == status and why in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "out of range"),
+    (b"[" * 10_000 + b"]" * 10_000, "deeper"),
+    (b'{"prompt": "\\ud800"}', "Unicode"),
+    (b"\xff\xfe", "not JSON"),
+    (b'"a string"', "JSON object"),
+    (b'{"prompt": "x", "top_p": NaN}', "strict JSON"),
+])
+def test_malformed_bodies_are_400(srv, raw, why):
+    r = _post(srv, raw=raw)
+    assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_bad_content_length_headers(srv):
+    assert b" 400 " in _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: abc\r\n\r\n{}").split(b"\r\n")[0]
+    assert b" 400 " in _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: -1\r\n\r\n").split(b"\r\n")[0]
+    assert b" 411 " in _raw(srv, b"POST /v1/completions HTTP/1.0\r\n\r\n").split(b"\r\n")[0]
+
+
+def test_a_half_sent_body_does_not_hold_a_thread(srv, monkeypatch):
+    monkeypatch.setattr(S._Handler, "timeout", 0.5)
+    t0 = time.time()
+    out = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: 100\r\n\r\n{\"pro", wait=10)
+    assert out == b"" and time.time() - t0 < 5  # dropped after the socket timeout: nobody is left to answer
+
+
+def test_an_idle_connection_is_dropped(srv, monkeypatch):
+    monkeypatch.setattr(S._Handler, "timeout", 0.5)
+    with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\n")  # and then nothing
+        t0 = time.time()
+        assert s.recv(4096) == b""  # the server closed it
+        assert time.time() - t0 < 5
+
+
+def test_stop_strings_end_the_text_and_the_generation(srv):
+    base = _post(srv, {"prompt": "The cat sat on the", "max_tokens": 24}).json()["choices"][0]
+    assert base["finish_reason"] == "length" and len(base["text"]) > 4
+    cut = base["text"][2:4]
+    r = _post(srv, {"prompt": "The cat sat on the", "max_tokens": 24, "stop": [cut, "\x00never"], "logprobs": 1}).json()
+    ch = r["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["text"] == base["text"][:base["text"].find(cut)]
+    assert r["usage"]["completion_tokens"] < 24 and len(ch["logprobs"]["tokens"]) == r["usage"]["completion_tokens"]
+    ok = _post(srv, {"prompt": "x", "max_tokens": 2, "top_p": 0.9, "seed": 7, "user": "u", "presence_penalty": 0})
+    assert ok.status_code == 200
+
+
+def test_a_generation_stops_when_its_client_has_gone(srv, monkeypatch):
+    steps = []
+    real = srv.model.forward
+
+    def slow(*a, **k):
+        steps.append(1)
+        time.sleep(0.05)
+        return real(*a, **k)
+
+    monkeypatch.setattr(srv.model, "forward", slow)
+    body = json.dumps({"prompt": "hello", "max_tokens": 200}).encode()
+    with socket.create_connection((srv.host, srv.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)
+    time.sleep(1.0)
+    n = len(steps)
+    time.sleep(0.5)
+    assert len(steps) == n and n < 100  # it stopped, well before 200 steps
+    monkeypatch.setattr(srv.model, "forward", real)
+    assert _post(srv, {"prompt": "hello", "max_tokens": 2}).status_code == 200  # and the lock was released
+
+
+def test_log_probabilities_are_finite_json(srv):
+    r = _post(srv, {"prompt": "abc", "max_tokens": 3, "logprobs": 5, "echo": True})
+    doc = json.loads(r.text, parse_constant=lambda c: pytest.fail(f"non-finite {c} in the answer"))
+    lps = [x for x in doc["choices"][0]["logprobs"]["token_logprobs"] if x is not None]
+    assert lps and all(S.LOGPROB_FLOOR <= x <= 0 for x in lps)
+    assert S._logprob(float("-inf")) == S.LOGPROB_FLOOR
+    with pytest.raises(ValueError, match="NaN"):
+        S._logprob(float("nan"))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(st.sampled_from(sorted(S.FIELDS) + ["junk"]),
+                            st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=False),
+                                      st.text(max_size=20), st.lists(st.integers(-5, 400), max_size=5)),
+                            max_size=6))
+def test_any_body_gets_200_or_a_4xx_never_a_500(srv, body):
+    body.setdefault("prompt", "hi")
+    if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
+        body["max_tokens"] = min(body["max_tokens"], 4)
+    r = _post(srv, raw=json.dumps(body).encode())
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (body, r.text)
+
+
+def test_many_clients_at_once_all_get_answers(srv):
+    codes = []
+
+    def one(i):
+        body = {"prompt": "hello", "max_tokens": 2} if i % 2 else {"prompt": "x", "top_p": 5}
+        codes.append(_post(srv, body).status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(set(codes)) == [200, 400] and len(codes) == 20
