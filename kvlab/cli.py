@@ -253,6 +253,9 @@ def cmd_niah_endpoint(args) -> int:
     except (ValueError, E.EndpointError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
+    except E.Interrupted as e:
+        print(f"kvlab: {e}", file=sys.stderr)
+        return 130
     doc["settings"] = {k: getattr(args, k) for k in ("task", "lengths", "depths", "trials", "seed", "hops",
                                                      "haystack", "max_tokens", "top_logprobs", "concurrency")}
     doc["journal"] = str(journal)
@@ -270,6 +273,10 @@ def cmd_niah_endpoint(args) -> int:
         if failed:
             print(f"{failed} requests failed after their retries (see {journal}); run again to retry them")
         print(f"wrote {out}")
+    for url, off in doc["length_check"].items():  # the server counted other tokens than the prompt was built from
+        if off is not None and off > E.LENGTH_TOLERANCE:
+            print(f"kvlab: warning: {url} counted prompts up to {off} tokens away from their intended length; "
+                  "check that --tokenizer is the served model's", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -427,7 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before any result existed: nothing to keep, no traceback
+        print("kvlab: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ the summary reports the largest difference from the intended length.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -43,6 +44,20 @@ TOPK_CAVEAT = ("Servers return only the top-k log-probabilities of each step, so
 
 class EndpointError(RuntimeError):
     """A server could not be used: the message says which one and why."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_ladder`: no new request was sent, every answer that arrived was kept."""
+
+    def __init__(self, kept: int, left: int, journal: Path):
+        super().__init__(f"interrupted: {kept} answers kept in {journal}, {left} not asked; run the same command "
+                         "again to resume")
+        self.kept, self.left, self.journal = kept, left, journal
+
+
+IDENTITY_FIELDS = ("root", "max_model_len", "kv_format", "kv_cache_dtype")
+LENGTH_TOLERANCE = 2  # tokens a server may count beyond the intended prompt length (BOS, a merge at the seam)
+LOGPROB_FLOOR = -9999.0  # what vLLM reports for a zero probability; strict JSON has no -Infinity
 
 
 def base_url(url: str) -> str:
@@ -144,7 +159,16 @@ class Endpoint:
         data = doc.get("data")
         if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
             raise EndpointError(f"{self.url}/v1/models: expected {{'data': [{{'id': ...}}]}}, got {str(doc)[:200]}")
+        self._listed = {m["id"]: m for m in data}
         return [m["id"] for m in data]
+
+    @property
+    def identity(self) -> dict:
+        """What the server says of the model it serves (after :meth:`resolve_model`): its id and, where the
+        server reports them, its root, context and KV format. A journal answer is reused only from the same."""
+        entry = getattr(self, "_listed", {}).get(self.model, {})
+        return {"model": self.model} | {k: entry[k] for k in IDENTITY_FIELDS
+                                         if isinstance(entry.get(k), str | int) and not isinstance(entry.get(k), bool)}
 
     def resolve_model(self) -> str:
         """``model``, or the server's only model; checks that the server lists it."""
@@ -185,9 +209,39 @@ class Endpoint:
             if not isinstance(lp, dict) or not isinstance(lp.get("top_logprobs"), list) or not lp["top_logprobs"]:
                 raise EndpointError(f"{self.url} returned no logprobs (asked for logprobs={logprobs}); start the "
                                     "server so that it returns them, or run with --top-logprobs 0")
-            out |= {"tokens": lp.get("tokens") or [], "token_logprobs": lp.get("token_logprobs") or [],
-                    "top_logprobs": lp["top_logprobs"]}
+            where = f"{self.url}/v1/completions"
+            tops = [_top_dict(t, where) for t in lp["top_logprobs"]]
+            tlps = [None if x is None else _finite_logprob(x, where) for x in (lp.get("token_logprobs") or [])]
+            toks = lp.get("tokens") or []
+            if not isinstance(toks, list) or not all(isinstance(t, str) for t in toks):
+                raise EndpointError(f"{where}: logprobs.tokens must be a list of strings, got {str(toks)[:120]}")
+            floored = sum(x == LOGPROB_FLOOR for x in tlps if x is not None)
+            out |= {"tokens": toks, "token_logprobs": tlps, "top_logprobs": tops, "floored_logprobs": floored}
         return out
+
+
+def _finite_logprob(x, where: str) -> float:
+    """A log-probability as a finite float: -inf (a zero probability) becomes :data:`LOGPROB_FLOOR`, as vLLM
+    reports it; NaN, a positive value or a non-number is the server's error and says so."""
+    if isinstance(x, bool) or not isinstance(x, int | float) or math.isnan(x) or x > 1e-6:
+        raise EndpointError(f"{where}: a log-probability must be a number <= 0, got {x!r}")
+    return max(float(x), LOGPROB_FLOOR)
+
+
+def _top_dict(entry, where: str) -> dict[str, float] | None:
+    """One step's top log-probabilities as ``{token: logprob}``: the completions API's dict, or the list of
+    ``{"token", "logprob"}`` objects that chat-style servers return."""
+    if entry is None:
+        return None
+    if isinstance(entry, list):
+        try:
+            entry = {e["token"]: e["logprob"] for e in entry}
+        except (TypeError, KeyError):
+            raise EndpointError(f"{where}: top_logprobs entries must be {{token: logprob}} or a list of "
+                                f"{{'token', 'logprob'}} objects, got {str(entry)[:120]}") from None
+    if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry):
+        raise EndpointError(f"{where}: top_logprobs entries must map tokens to log-probabilities, got {str(entry)[:120]}")
+    return {k: _finite_logprob(v, where) for k, v in entry.items()}
 
 
 def _server_message(r) -> str:
@@ -250,16 +304,32 @@ def exact_match(text: str, answer: str) -> bool:
     return t.startswith(answer) and not (len(t) > len(answer) and t[len(answer)].isalnum())
 
 
-def _journal(path: Path) -> dict[tuple[str, str], dict]:
+def _journal(path: Path, settings: dict[str, dict]) -> dict[tuple[str, str], dict]:
+    """The answers a journal holds for these endpoints, if they were asked with the same ``settings`` (per URL).
+
+    A line cut short, or one without the fields an answer needs, is skipped (asked again); an answer
+    from the same URL asked with other settings (max tokens, top logprobs, or another model or KV format
+    behind the URL) is refused, naming the difference, rather than silently reused.
+    """
     done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by an interrupted write
-            if isinstance(r, dict) and not r.get("error") and "endpoint" in r and "key" in r:
-                done[r["endpoint"], r["key"]] = r
+    if not path.exists():
+        return done
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by an interrupted write
+        if not isinstance(r, dict) or r.get("error") or not isinstance(r.get("key"), str):
+            continue
+        url = r.get("endpoint")
+        if url not in settings:
+            continue
+        if r.get("settings") != settings[url]:
+            raise ValueError(f"journal {path} line {n}: {url} was asked with {r.get('settings')}, this run asks "
+                             f"{settings[url]}; use another --out (or delete the journal) to start afresh")
+        if not isinstance(r.get("correct"), bool) or not isinstance(r.get("text"), str):
+            continue  # not a complete answer: ask again
+        done[url, r["key"]] = r
     return done
 
 
@@ -267,9 +337,12 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
                top_logprobs: int = 5, concurrency: int = 4, progress: bool = True) -> list[dict]:
     """Every prompt through every endpoint; each answer is appended to ``journal`` (JSONL) as it arrives.
 
-    Answers already in the journal (same endpoint, same prompt text) are reused, so a run
-    that was interrupted resumes. A request that still fails after its retries is recorded
-    with its ``error`` and retried on the next run. Returns one record per (endpoint, prompt).
+    Answers already in the journal (same endpoint, same prompt text, same settings and server identity)
+    are reused, so a run that was interrupted resumes. A request that still fails after its retries is
+    recorded with its ``error`` and retried on the next run. At most ``concurrency`` requests are in
+    flight: on Ctrl-C no new one is sent, those in flight are waited for and written, and
+    :class:`Interrupted` says how many answers were kept (a second Ctrl-C stops waiting).
+    Returns one record per (endpoint, prompt).
     """
     from tqdm.auto import tqdm
 
@@ -279,19 +352,22 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
         raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")
     if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
         raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
+        raise ValueError(f"max_tokens must be an integer in [1, 4096], got {max_tokens!r}")
     journal = Path(journal)
     if journal.is_dir() or not journal.parent.is_dir():
         raise ValueError(f"journal {str(journal)!r}: " + ("is a directory" if journal.is_dir()
                          else f"folder {str(journal.parent)!r} does not exist"))
     for ep in endpoints:  # a bad URL or a dead server fails here, before any prompt is sent
         ep.resolve_model()
-    done = _journal(journal)
+    settings = {ep.url: {"max_tokens": max_tokens, "top_logprobs": top_logprobs} | ep.identity for ep in endpoints}
+    done = _journal(journal, settings)
     todo = [(ep, p) for ep in endpoints for p in prompts if (ep.url, p.key) not in done]
     k = top_logprobs or None
 
     def one(ep: Endpoint, p: Prompt) -> dict:
-        rec = {"endpoint": ep.url, "model": ep.model, "key": p.key, **{f: getattr(p, f) for f in
-               ("task", "length", "depth", "trial", "answer")}}
+        rec = {"endpoint": ep.url, "model": ep.model, "key": p.key, "settings": settings[ep.url],
+               **{f: getattr(p, f) for f in ("task", "length", "depth", "trial", "answer")}}
         t0 = time.perf_counter()
         try:
             out = ep.complete(p.text, max_tokens=max_tokens, logprobs=k)
@@ -301,16 +377,42 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
         rec["seconds"] = round(time.perf_counter() - t0, 3)
         return rec
 
-    with journal.open("a") as fh, ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(one, ep, p) for ep, p in todo]
-        for fut in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc="requests"):
-            rec = fut.result()
-            fh.write(json.dumps(rec) + "\n")  # only this thread writes: the workers return their records
+    kept = 0
+    queue = iter(todo)
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    with journal.open("a") as fh, tqdm(total=len(todo), disable=not progress, desc="requests") as bar:
+        def write(rec):
+            nonlocal kept
+            fh.write(json.dumps(rec, allow_nan=False) + "\n")  # only this thread writes: workers return records
             fh.flush()
+            kept += 1
+            bar.update()
             if not rec["error"]:
                 done[rec["endpoint"], rec["key"]] = rec
             else:
                 done.setdefault((rec["endpoint"], rec["key"]), rec)
+
+        running = set()
+        try:
+            for ep, p in itertools.islice(queue, concurrency):  # a bounded window: Ctrl-C stops sending at once
+                running.add(pool.submit(one, ep, p))
+            while running:
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    write(fut.result())
+                    nxt = next(queue, None)
+                    if nxt is not None:
+                        running.add(pool.submit(one, *nxt))
+        except KeyboardInterrupt:
+            try:
+                for fut in as_completed(running):  # the answers already on their way are kept
+                    write(fut.result())
+            except KeyboardInterrupt:
+                pass  # a second Ctrl-C: stop waiting for them
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise Interrupted(kept, len(todo) - kept, journal) from None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
     return [done[ep.url, p.key] for ep in endpoints for p in prompts if (ep.url, p.key) in done]
 
 

@@ -320,3 +320,100 @@ def test_echo_logprobs_and_perplexity(servers, smollm2):
     assert 1 < ppl < 200 and math.isfinite(ppl)
     # the default server lets the prompt attend in full precision: the rung cannot see the KV format
     assert E.perplexity(E.Endpoint(b.url), tok, window=128, max_windows=1) == pytest.approx(ppl, rel=1e-4)
+
+
+# --------------------------------------------------------------------------- hostile servers, Ctrl-C, the journal
+
+def _prompts(n=8):
+    return [E.Prompt("passkey", 100, 0.5, i, f"prompt {i}", "12345") for i in range(n)]
+
+
+def test_ctrl_c_stops_sending_keeps_every_answer_and_says_how_to_resume(stub, tmp_path):
+    import _thread
+
+    s = stub(lambda n: (time.sleep(0.3), (200, _completion()))[1])
+    journal = tmp_path / "j.jsonl"
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    with pytest.raises(E.Interrupted) as e:
+        E.run_ladder([E.Endpoint(s.url)], _prompts(20), journal, concurrency=2, progress=False)
+    lines = journal.read_text().splitlines()
+    assert e.value.kept == len(lines) == s.count and 1 <= s.count < 20  # nothing sent that was not kept
+    assert "run the same command again" in str(e.value) and e.value.left == 20 - len(lines)
+    recs = E.run_ladder([E.Endpoint(s.url)], _prompts(20), journal, concurrency=2, progress=False)
+    assert len(recs) == 20 and s.count == 20  # the resume asked only for the rest
+
+
+def test_a_journal_from_other_settings_is_refused_not_reused(stub, tmp_path):
+    s = stub(lambda n: (200, _completion()))
+    journal = tmp_path / "j.jsonl"
+    E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, max_tokens=12, progress=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, max_tokens=6, progress=False)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, top_logprobs=3, progress=False)
+    other = stub(lambda n: (200, _completion()), models=("another-model",))
+    rec = json.loads(journal.read_text().splitlines()[0])
+    journal.write_text(json.dumps(rec | {"endpoint": other.url}) + "\n")  # the same URL now serves another model
+    with pytest.raises(ValueError, match="another-model"):
+        E.run_ladder([E.Endpoint(other.url)], _prompts(2), journal, progress=False)
+
+
+def test_a_journal_line_missing_its_answer_is_asked_again(stub, tmp_path):
+    s = stub(lambda n: (200, _completion()))
+    journal = tmp_path / "j.jsonl"
+    E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
+    lines = [json.loads(x) for x in journal.read_text().splitlines()]
+    del lines[0]["correct"]
+    journal.write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"cut\n")
+    recs = E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
+    assert s.count == 3 and all(r["correct"] for r in recs)
+
+
+@pytest.mark.parametrize("top, lp, ok", [
+    ([[{"token": "1", "logprob": -0.1}, {"token": "x", "logprob": -3.0}]], [-0.1], True),  # chat-style lists
+    ([{"1": float("-inf")}], [float("-inf")], True),  # a zero probability: floored like vLLM
+    ([{"1": float("nan")}], [-0.1], False),
+    ([{"1": 0.5}], [-0.1], False),
+    ([["1", -0.1]], [-0.1], False),
+])
+def test_logprob_shapes_and_non_finite_values(stub, top, lp, ok):
+    body = json.dumps({"choices": [{"text": "1", "logprobs": {"tokens": ["1"], "token_logprobs": lp,
+                                                              "top_logprobs": top}}]}).encode()
+    s = stub(lambda n: (200, body))
+    ep = E.Endpoint(s.url, retries=0)
+    if ok:
+        out = ep.complete("p", logprobs=1)
+        assert all(math.isfinite(v) for v in out["top_logprobs"][0].values())
+        assert all(math.isfinite(v) for v in out["token_logprobs"])
+        json.dumps(out, allow_nan=False)
+    else:
+        with pytest.raises(E.EndpointError, match="log-probabilit|top_logprobs"):
+            ep.complete("p", logprobs=1)
+
+
+def test_cli_warns_when_the_server_counts_other_prompt_lengths(stub, tmp_path, capsys):
+    s = stub(lambda n: (200, _completion()))  # answers prompt_tokens=3 for prompts of hundreds of tokens
+    out = tmp_path / "o.json"
+    rc = main(["niah", "--endpoint", s.url, "--model", "smollm2-135m", "--lengths", "256", "--trials", "1",
+               "--out", str(out)])
+    assert rc == 0 and "warning" in capsys.readouterr().err
+
+
+def test_ctrl_c_on_the_cli_exits_130_with_one_line(stub, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    s = stub(lambda n: (time.sleep(0.2), (200, _completion()))[1])
+    p = subprocess.Popen([sys.executable, "-m", "kvlab", "niah", "--endpoint", s.url, "--lengths", "256,512",
+                          "--trials", "5", "--concurrency", "1", "--out", str(tmp_path / "o.json")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while s.count < 2 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "run the same command again" in err
+    kept = len((tmp_path / "o.requests.jsonl").read_text().splitlines())
+    assert kept == s.count  # every request sent was answered and kept
