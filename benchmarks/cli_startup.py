@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvlab.env import cpu_model  # noqa: E402
-from kvlab.paths import RESULTS_DIR, write_json  # noqa: E402
+from kvlab.paths import RESULTS_DIR, out_problem, write_json  # noqa: E402
 
 COMMANDS = {
     "python -c pass (floor)": ["-c", "pass"],
@@ -43,6 +43,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "cli_startup.json")
     args = p.parse_args(argv)
+    if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
+        p.error(why)
     if args.repeats < 1:
         p.error("--repeats must be a positive integer")
     times = {k: [] for k in COMMANDS}

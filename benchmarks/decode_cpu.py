@@ -38,7 +38,7 @@ from kvlab.env import cpu_model  # noqa: E402
 from kvlab.formats import format_names, get_format  # noqa: E402
 from kvlab.fusion import peak_memory  # noqa: E402
 from kvlab.models import DATA_DIR, load_model  # noqa: E402
-from kvlab.paths import write_json  # noqa: E402
+from kvlab.paths import out_problem, write_json  # noqa: E402
 
 OUT = DATA_DIR / "results" / "decode_cpu.json"
 TILE = attend_tiles.__kwdefaults__["block"]
@@ -74,6 +74,8 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="kvlab-tiny, 256 tokens, two formats (a smoke test)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
+    if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
+        p.error(why)
     if args.quick:
         args.model, args.contexts, args.formats, args.tokens, args.rounds = "kvlab-tiny", [256], ["int8", "int4"], 2, 1
     formats = args.formats or format_names()

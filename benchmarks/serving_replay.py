@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvlab import serving as S  # noqa: E402
 from kvlab.env import cpu_model  # noqa: E402
+from kvlab.paths import out_problem  # noqa: E402
 
 
 def main(argv=None):
@@ -31,6 +32,8 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "serving_replay.json")
     args = p.parse_args(argv)
+    if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
+        p.error(why)
     if args.requests < 1:
         p.error("--requests must be >= 1")
     t = time.perf_counter()

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from kvlab import evals  # noqa: E402
 from kvlab.env import cpu_model  # noqa: E402
 from kvlab.models import load_model  # noqa: E402
+from kvlab.paths import out_problem  # noqa: E402
 
 TEN = ["fp32", "bf16", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "q4_0", "kivi-4", "kivi-2"]
 
@@ -48,6 +49,8 @@ def main(argv=None):
     p.add_argument("--no-separate", action="store_true", help="skip the slow one-prefill-per-format run")
     p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "shared_prefill.json")
     args = p.parse_args(argv)
+    if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
+        p.error(why)
     if args.length < 64 or args.prompts < 1:
         p.error("--length must be >= 64 and --prompts >= 1")
     if args.out.is_dir():

@@ -35,8 +35,14 @@ def write_json(path: str | Path, doc) -> None:
     """Write ``doc`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename),
     so an interrupted run never leaves a half-written result."""
     path = Path(path)
+    if why := out_problem(path, "path"):  # never rename over a device or into a folder that is not there
+        raise ValueError(why)
+    text = json.dumps(doc, indent=1, allow_nan=False) + "\n"  # strict JSON: a NaN is a bug, named here
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

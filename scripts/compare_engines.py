@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from kvlab import engines  # noqa: E402
 from kvlab.env import cpu_model  # noqa: E402
 from kvlab.models import load_model  # noqa: E402
-from kvlab.paths import RESULTS_DIR, write_json  # noqa: E402
+from kvlab.paths import RESULTS_DIR, out_problem, write_json  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -63,6 +63,8 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="llama.cpp: the first case only (a smoke test)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
+        p.error(why)
     if not args.lengths:  # llama.cpp at 8192 tokens adds ~45 minutes on 2 cores: pass --lengths to include it
         args.lengths = [512, 1024, 2048] if args.quanto or args.hqq else [512, 2048]
     if args.trials < 1 or args.new_tokens < 2 or min(args.lengths) < 64:

@@ -37,6 +37,7 @@ from kvlab import evals  # noqa: E402
 from kvlab.env import cpu_model  # noqa: E402
 from kvlab.formats import KVFormat, format_names, get_format, mitigations  # noqa: E402
 from kvlab.models import DEFAULT_MODEL, load_model  # noqa: E402
+from kvlab.paths import out_problem  # noqa: E402
 
 CORE = ["fp32", "fp8_e4m3", "int8", "int4_tensor", "int4_token", "int4", "q4_0", "kivi-2"]
 # formats swept with the prompt's own attention reading the quantized cache (vLLM's and llama.cpp's prefill)
@@ -59,6 +60,8 @@ def main(argv=None):
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--resume", action="store_true", help="keep the steps --out already holds and run the rest")
     args = p.parse_args(argv)
+    if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
+        p.error(why)
     if args.out.exists() and args.out.is_dir():
         p.error(f"--out {args.out} is a directory")
     args.out.parent.mkdir(parents=True, exist_ok=True)

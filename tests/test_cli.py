@@ -179,3 +179,17 @@ def test_out_is_refused_before_the_run_when_it_cannot_hold_a_result(tmp_path, ca
         assert "not writable" in out_problem(ro / "r.json")
     assert main(["niah", "--kv-format", "int4", "--model", "kvlab-tiny", "--out", "/dev/null"]) == 2
     assert "not a regular file" in capsys.readouterr().err
+
+
+def test_write_json_is_strict_atomic_and_never_replaces_a_device(tmp_path):
+    import math
+
+    from kvlab.paths import write_json
+
+    with pytest.raises(ValueError, match="not a regular file"):
+        write_json("/dev/null", {"a": 1})
+    with pytest.raises(ValueError, match="Out of range float"):
+        write_json(tmp_path / "nan.json", {"kl": math.nan})
+    assert not list(tmp_path.iterdir())  # no result, and no temporary file left behind
+    write_json(tmp_path / "ok.json", {"a": [1, 2.5]})
+    assert json.loads((tmp_path / "ok.json").read_text()) == {"a": [1, 2.5]}
