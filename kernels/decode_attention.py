@@ -214,6 +214,9 @@ def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Te
     operations (default: only on GPUs without FP8 conversions, see :func:`fp8_needs_bits`).
     """
     ka, va = _validate(q, k, v, seq_lens, block_n, num_splits)
+    if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, int | float)
+                                or not math.isfinite(scaling) or scaling <= 0):
+        raise ValueError(f"scaling must be a finite positive number (or None for head_dim**-0.5), got {scaling!r}")
     bits = fp8_needs_bits(q.device) if fp8_bits is None else bool(fp8_bits)
     k_codes, k_kind = _codes_and_kind(k, ka["kind"], bits)
     v_codes, v_kind = _codes_and_kind(v, va["kind"], bits)

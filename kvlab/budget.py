@@ -139,10 +139,14 @@ def _load_shape(model) -> ModelShape:
                     f"model {str(model)!r} is neither a preset ({', '.join(preset_names())}) "
                     f"nor a readable config.json path"
                 )
+            if path.stat().st_size > MAX_CONFIG_BYTES:
+                raise ValueError(f"model config {str(path)!r} is over {MAX_CONFIG_BYTES >> 20} MiB: not a config.json")
             try:
                 doc = json.loads(path.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"model config {str(path)!r} could not be read as JSON: {e}") from None
+            except RecursionError:
+                raise ValueError(f"model config {str(path)!r} nests JSON too deeply to be a config") from None
             if not isinstance(doc, dict):
                 raise ValueError(f"model config {str(path)!r} must hold a JSON object")
             cfg = _config_from_dict(doc)
@@ -156,6 +160,8 @@ def _load_shape(model) -> ModelShape:
     return ModelShape(shape.name, shape.layers, n_params, shape.max_position_embeddings, shape.attention, source,
                       q_heads=shape.q_heads)
 
+
+MAX_CONFIG_BYTES = 16 << 20
 
 # Sizes a config must state itself: transformers fills what is missing with a default model's
 # (32 layers x 4096 for "llama"), which would size a model nobody described.

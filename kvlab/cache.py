@@ -94,6 +94,8 @@ class KVQuantLayer(DynamicLayer):
         if key_states.shape[-2] != value_states.shape[-2]:
             raise ValueError(f"keys and values must hold the same tokens, got {key_states.shape[-2]} and "
                              f"{value_states.shape[-2]}")
+        if not first:
+            self._check_same_stream(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         k, v = key_states, value_states
         # 1. the first `sinks` tokens stay in full precision (a windowed layer forgets them like any token)
@@ -119,6 +121,17 @@ class KVQuantLayer(DynamicLayer):
             self._forget(self.held - self.window)
         setattr(out[0], _TAG, (weakref.ref(self), True))  # what the model gets is complete
         return out
+
+    def _check_same_stream(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A layer holds one batch of one model: later tokens must match the first in every way but length."""
+        for name, x, ref in (("key_states", k, self.res_k), ("value_states", v, self.res_v)):
+            if x.dim() != 4 or x.shape[:2] != ref.shape[:2] or x.shape[-1] != ref.shape[-1]:
+                raise ValueError(f"{name} {tuple(x.shape)} does not continue this cache's "
+                                 f"[batch={ref.shape[0]}, kv_heads={ref.shape[1]}, tokens, head_dim={ref.shape[-1]}]: "
+                                 "a new batch or model needs a new cache")
+            if x.dtype != self.dtype or x.device != self.device:
+                raise ValueError(f"{name} is {x.dtype} on {x.device}, but this cache holds {self.dtype} on "
+                                 f"{self.device}: a new dtype or device needs a new cache")
 
     @property
     def is_sliding(self) -> bool:  # transformers reads it to pick each mask's layer
@@ -362,6 +375,13 @@ class KVQuantCache(Cache):
             # a windowed prefill layer holds only its last tokens: keep their true positions
             cache.layers[i].cumulative_length = layer.get_seq_length()
         return cache
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"layer_idx must be a non-negative integer, got {layer_idx!r}")
+        if self.layer_class_to_replicate is None and layer_idx >= len(self.layers):
+            raise ValueError(f"layer_idx {layer_idx} is past this cache's {len(self.layers)} layers")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def nbytes(self) -> int:

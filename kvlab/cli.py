@@ -30,7 +30,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvlab: error: {message}\n")
 
 
-def _int(name, minimum):
+MAX_REQUESTS = 1_000_000  # serve-sim replays this many at most (about a minute of simulation on a laptop)
+
+
+def _int(name, minimum, maximum=None):
     def parse(text):
         try:
             v = int(text)
@@ -38,6 +41,8 @@ def _int(name, minimum):
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
+        if maximum is not None and v > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be <= {maximum}, got {v}")
         return v
 
     return parse
@@ -416,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
     s.add_argument("--block-size", type=_int("--block-size", 1), default=None,
                    help="tokens per block (default 16; 512 for traces)")
-    s.add_argument("--requests", type=_int("--requests", 1), default=None, help="how many requests to replay")
+    s.add_argument("--requests", type=_int("--requests", 1, MAX_REQUESTS), default=None,
+                   help=f"how many requests to replay (at most {MAX_REQUESTS:,})")
     s.add_argument("--memory-utilization", default=0.9, type=_fraction)
     s.add_argument("--gpu-hour-usd", default=None, type=_positive_float,
                    help="price of one GPU-hour in dollars (default: the GPU's listed price, see data/presets/gpus.json)")

@@ -143,6 +143,16 @@ def pack_int(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``bits``-bit codes (uint8, values < 2**bits) along the last axis, low bits first."""
     if bits not in (2, 4, 8):
         raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
+    if codes.dtype.is_floating_point or codes.dtype == torch.bool or codes.is_complex():
+        raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
+        raise ValueError(f"{bits}-bit codes must lie in [0, {(1 << bits) - 1}], got values in "
+                         f"[{int(codes.min())}, {int(codes.max())}] (a larger code would spill into its neighbour)")
+    return _pack(codes, bits)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_int` without the checks (no device sync), for codes that are in range by construction."""
     if bits == 8:
         return codes.to(torch.uint8)
     per = 8 // bits
@@ -214,7 +224,7 @@ def quantize(x: torch.Tensor, q: Quantizer, *, scale: torch.Tensor | None = None
             scale = _store_scale((mx - zero.float()) / levels, q)
         codes = torch.round((view - zero.float()) / scale.float()).clamp(0, levels)
     codes = codes.to(torch.uint8).reshape(shape)
-    return QTensor(pack_int(codes, b), scale, zero, shape, q, dtype)
+    return QTensor(_pack(codes, b), scale, zero, shape, q, dtype)  # codes are in range by construction
 
 
 def _signed_absmax(x, dims):

@@ -421,6 +421,8 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd: fl
     bad = {f: v for f, v in (perplexity or {}).items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
     if bad:
         raise ValueError(f"perplexity increases must be finite numbers, got {bad}")
+    _check_scores("quality", quality)
+    _check_scores("reference", reference if isinstance(reference, dict) or reference is None else {"": reference})
 
     def bar(n=None):
         if reference is None:
@@ -445,6 +447,20 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd: fl
                      "quality": q, "ok": ok, "ppl_increase": ppl,
                      "ppl_ok": None if ppl is None else ppl <= max_ppl_increase + 1e-12})
     return rows
+
+
+def _check_scores(name: str, scores) -> None:
+    """Quality scores are fractions in [0, 1] (or None where not measured), per format or per context length."""
+    if scores is None:
+        return
+    if not isinstance(scores, dict):
+        raise TypeError(f"{name} must be a dict, got {type(scores).__name__}")
+    for key, v in scores.items():
+        for x in (v.values() if isinstance(v, dict) else [v]):
+            if x is None:
+                continue
+            if isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1:  # NaN fails too
+                raise ValueError(f"{name}[{key!r}] must hold scores in [0, 1], got {x!r}")
 
 
 def cost_table_html(rows: list[dict]) -> str:

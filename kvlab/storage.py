@@ -24,6 +24,8 @@ compile-time constants.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .formats import Quantizer
@@ -326,9 +328,9 @@ class KVStore:
             s.scale = torch.ones(shape, dtype=sdt, device=device)
             s.zero = None if (q.symmetric or q.kind != "int") else torch.zeros(shape, dtype=sdt, device=device)
             if scale is not None:
-                s.scale = torch.as_tensor(scale, dtype=sdt, device=device).reshape(shape)
+                s.scale = _frozen("scale", scale, shape, sdt, device, positive=True)
                 if zero is not None and s.zero is not None:
-                    s.zero = torch.as_tensor(zero, dtype=sdt, device=device).reshape(shape)
+                    s.zero = _frozen("zero", zero, shape, sdt, device, positive=False)
                 s._calibrated = True
         elif scale is not None or zero is not None:
             raise ValueError("scale and zero can only be given for per-tensor, per-head or per-channel formats")
@@ -366,3 +368,15 @@ def kernel_args(store: KVStore) -> dict:
     groups = store.scale.shape[-1] if mode == "token" else 1
     return dict(kind=KERNEL_KINDS[kind], symmetric=q.symmetric or q.kind != "int", scale_mode=SCALE_MODES[mode],
                 n_groups=groups)
+
+
+def _frozen(name: str, value, shape: tuple, dtype: torch.dtype, device, *, positive: bool) -> torch.Tensor:
+    """A frozen scale or zero point given by the caller: the shape the format needs, finite (scales > 0)."""
+    t = torch.as_tensor(value, dtype=torch.float32)
+    need = math.prod(shape)
+    if t.numel() != need:
+        raise ValueError(f"{name} has {t.numel()} values; this format's frozen {name} needs {need} "
+                         f"(shape {shape})")
+    if not torch.isfinite(t).all() or (positive and (t <= 0).any()):
+        raise ValueError(f"{name} must be finite{' and positive' if positive else ''} (a zero scale divides by zero)")
+    return t.to(dtype=dtype, device=device).reshape(shape)

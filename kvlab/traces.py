@@ -9,6 +9,8 @@ from pathlib import Path
 from .simulator import Request
 
 MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's published traces
+MAX_TOKENS = 1 << 20  # a request longer than this (prompt or output) is refused: no model here serves it
+MAX_LINE = 1 << 22  # characters in one trace line (4 MiB: 500k hash ids); longer is not a trace
 
 
 def _no_constants(name: str):
@@ -34,6 +36,8 @@ def load_trace(path: str | Path, block_size: int = MOONCAKE_BLOCK, limit: int | 
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"trace {path} is a directory, not a JSONL file")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"trace {path} is not a regular file (a device or a pipe has no end to read to)")
     reqs = []
     try:
         f = open(path, encoding="utf-8")
@@ -42,7 +46,9 @@ def load_trace(path: str | Path, block_size: int = MOONCAKE_BLOCK, limit: int | 
     with f:
         lineno = 0
         try:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), ""), 1):
+                if len(line) > MAX_LINE:
+                    raise ValueError(f"{path}:{lineno}: a line over {MAX_LINE} characters is not a trace line")
                 if not line.strip():
                     continue
                 reqs.append(_parse_line(line, path, lineno, block_size))
@@ -60,6 +66,8 @@ def _parse_line(line: str, path: Path, lineno: int, block_size: int) -> Request:
         d = json.loads(line, parse_constant=_no_constants)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{path}:{lineno}: JSON nested too deeply to be a trace line") from None
     except ValueError as e:
         raise ValueError(f"{path}:{lineno}: {e}") from None
     if not isinstance(d, dict):
@@ -78,6 +86,9 @@ def _parse_line(line: str, path: Path, lineno: int, block_size: int) -> Request:
         raise ValueError(f"{path}:{lineno}: timestamp must be a finite number of ms >= 0, got {d['timestamp']!r}")
     if d["input_length"] < 1 or d["output_length"] < 1:
         raise ValueError(f"{path}:{lineno}: input_length and output_length must be >= 1")
+    if max(d["input_length"], d["output_length"]) > MAX_TOKENS:
+        raise ValueError(f"{path}:{lineno}: input_length and output_length must be at most {MAX_TOKENS} tokens, got "
+                         f"{d['input_length']} and {d['output_length']}")
     if not all(isinstance(h, int) and not isinstance(h, bool) for h in d["hash_ids"]):
         raise ValueError(f"{path}:{lineno}: hash_ids must be integers")
     full = d["input_length"] // block_size

@@ -241,6 +241,35 @@ def test_update_checks_its_inputs():
         KVQuantCache("int8", kernel="yes")
 
 
+@pytest.mark.parametrize("k, why", [
+    (torch.randn(2, 2, 1, 64), "batch=1"),  # the batch changed mid-stream
+    (torch.randn(1, 4, 1, 64), "kv_heads=2"),  # another model's heads
+    (torch.randn(1, 2, 1, 32), "head_dim=64"),
+    (torch.randn(1, 2, 1, 64, dtype=torch.float64), "float64"),  # the dtype changed mid-stream
+])
+def test_a_stream_that_changes_shape_or_dtype_is_refused(k, why):
+    cache = KVQuantCache("int4_token", num_layers=2)
+    cache.update(torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64), 0)
+    with pytest.raises(ValueError, match=why):
+        cache.update(k, k.clone(), 0)
+    with pytest.raises(ValueError, match="past this cache's 2 layers"):
+        cache.update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), 2)
+    with pytest.raises(ValueError, match="layer_idx"):
+        cache.update(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64), -1)
+
+
+def test_frozen_scales_given_by_hand_are_checked():
+    from kvlab.formats import get_format
+    from kvlab.storage import KVStore
+
+    q = get_format("int4_tensor").key
+    with pytest.raises(ValueError, match="finite and positive"):
+        KVStore.allocate(q, 1, 2, 8, 64, scale=torch.zeros(1))
+    with pytest.raises(ValueError, match="needs 1"):
+        KVStore.allocate(q, 1, 2, 8, 64, scale=torch.ones(3))
+    assert KVStore.allocate(q, 1, 2, 8, 64, scale=0.5).scale.item() == 0.5
+
+
 def test_after_fused_attention_the_cache_keeps_working_with_sdpa(tiny_llama):
     pytest.importorskip("kvlab.kernels.decode_attention", reason="triton is not installed")
     from kvlab.cache import fused_attention

@@ -193,3 +193,15 @@ def test_write_json_is_strict_atomic_and_never_replaces_a_device(tmp_path):
     assert not list(tmp_path.iterdir())  # no result, and no temporary file left behind
     write_json(tmp_path / "ok.json", {"a": [1, 2.5]})
     assert json.loads((tmp_path / "ok.json").read_text()) == {"a": [1, 2.5]}
+
+
+def test_work_that_would_never_finish_is_refused_up_front(tmp_path, capsys):
+    from kvlab.cli import MAX_REQUESTS
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve-sim", "--requests", str(MAX_REQUESTS + 1), "--model", "llama-3.1-8b", "--gpu", "L4"])
+    assert e.value.code == 2 and f"<= {MAX_REQUESTS}" in capsys.readouterr().err
+    deep = tmp_path / "config.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["budget", "--model", str(deep), "--batch", "1", "--context", "8"]) == 2
+    assert "too deeply" in capsys.readouterr().err

@@ -94,6 +94,9 @@ def test_clear_errors():
     short.scale = short.scale[:, :, :4]  # scales for 4 tokens over codes for 8: would read past the buffer
     with pytest.raises(ValueError, match="do not cover"):
         kernels.decode_attention(torch.randn(1, 2, 64, device=DEV), short, vq, lens)
+    for bad in (float("nan"), float("inf"), 0.0, -1.0, True, "0.1"):
+        with pytest.raises(ValueError, match="scaling"):
+            kernels.decode_attention(torch.randn(1, 2, 64, device=DEV), kq, vq, lens, scaling=bad)
 
 
 def test_strided_query_is_read_correctly():

@@ -137,6 +137,19 @@ def test_bad_arguments():
         quantize(torch.ones(2, 4, dtype=torch.int32), Quantizer("int8", "token"))
 
 
+@given(bits=st.sampled_from([2, 4, 8]), data=st.data())
+def test_pack_int_refuses_codes_that_would_spill_into_a_neighbour(bits, data):
+    bad = data.draw(st.one_of(st.integers(1 << bits, 1000), st.integers(-1000, -1)))
+    codes = torch.zeros(1, 8, dtype=torch.int32)
+    codes[0, data.draw(st.integers(0, 7))] = bad
+    with pytest.raises(ValueError, match="must lie in"):
+        pack_int(codes, bits)
+    with pytest.raises(TypeError, match="integer tensor"):
+        pack_int(torch.zeros(1, 8), bits)
+    ok = torch.randint(0, 1 << bits, (3, 8), dtype=torch.uint8)
+    assert torch.equal(unpack_int(pack_int(ok, bits), bits), ok)
+
+
 def test_hadamard_is_orthonormal_and_rotation_helps_outliers():
     H = hadamard(64)
     assert torch.allclose(H @ H.T, torch.eye(64), atol=1e-6)

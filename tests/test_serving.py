@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from kvlab import budget as B
 from kvlab import serving as S
+from kvlab.traces import MAX_LINE
 
 
 def seq(*prompts, gap=100.0, out=1, block=4):
@@ -145,6 +146,9 @@ LINE = '{{"timestamp": {ts}, "input_length": 1100, "output_length": 5, "hash_ids
     (LINE.format(ts="-5"), ":1: timestamp must be a finite number of ms >= 0"),
     ("\n\n", "holds no requests"),
     (b"\xff\xfe\x00binary", ":1: not UTF-8 text"),
+    ("[" * 100_000 + "]" * 100_000 + "\n", ":1: JSON nested too deeply"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 50000000, "hash_ids": []}\n', ":1: .* at most 1048576"),
+    ("x" * (MAX_LINE + 10), ":1: a line over"),
 ])
 def test_bad_traces_name_the_file_and_line(tmp_path, body, msg):
     p = tmp_path / "t.jsonl"
@@ -160,6 +164,8 @@ def test_trace_paths_and_block_sizes(tmp_path):
         S.load_trace(tmp_path)
     with pytest.raises(ValueError, match="cannot read trace"):
         S.load_trace(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="not a regular file"):
+        S.load_trace("/dev/zero")
     p = tmp_path / "t.jsonl"
     p.write_text(LINE.format(ts=0))
     with pytest.raises(ValueError, match="is block_size right"):  # 512-token hash ids read as 16-token blocks
@@ -294,6 +300,9 @@ def test_cost_table_perplexity_column():
     assert looser[0]["ppl_ok"] is True
     assert "perplexity" not in S.cost_table_html(S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"]))
     for bad, match in [({"max_ppl_increase": -0.1}, "max_ppl_increase"), ({"max_ppl_increase": float("inf")}, "max_ppl"),
-                       ({"perplexity": {"int4": float("nan")}}, "perplexity increases must be finite")]:
+                       ({"perplexity": {"int4": float("nan")}}, "perplexity increases must be finite"),
+                       ({"quality": {"int4": float("nan")}}, r"quality\['int4'\]"),
+                       ({"quality": {"int4": {512: 1.5}}}, "in \\[0, 1\\]"),
+                       ({"quality": {"int4": 0.9}, "reference": float("nan")}, "reference")]:
         with pytest.raises(ValueError, match=match):
             S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], **bad)
