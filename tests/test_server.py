@@ -182,3 +182,54 @@ def test_many_clients_at_once_all_get_answers(srv):
     for t in threads:
         t.join(60)
     assert sorted(set(codes)) == [200, 400] and len(codes) == 20
+
+
+def _rss_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.mark.slow
+def test_soak_fifty_clients_good_and_hostile_then_a_fresh_answer(shipped):
+    """50 clients for 60 s, mixing good requests with hostile ones; afterwards the server answers a good
+    request exactly as a fresh server does, and its memory has not grown without bound."""
+    model, tok = shipped
+    good = {"prompt": "The cat sat on the", "max_tokens": 4, "logprobs": 2}
+    hostile = [b"{not json", b"[" * 5000 + b"]" * 5000, json.dumps({"prompt": "x", "top_p": 9}).encode(),
+               json.dumps({"prompt": "a" * 10_000}).encode(), json.dumps({"prompt": [10**9]}).encode(),
+               b'{"prompt": "\\ud800"}', json.dumps({"prompt": "x", "max_tokens": None}).encode()]
+    with S.CompletionServer(model, tok, "int8", name="tiny", max_context=256) as fresh:
+        want = httpx.post(fresh.url + "/v1/completions", json=good, timeout=60).json()["choices"][0]
+    s = S.CompletionServer(model, tok, "int8", name="tiny", max_context=256).start()
+    try:
+        codes, stop = [], time.time() + 60
+        before = _rss_mib()
+
+        def client(i):
+            n = 0
+            while time.time() < stop:
+                n += 1
+                if (i + n) % 3 == 0:
+                    codes.append(httpx.post(s.url + "/v1/completions", json=good, timeout=60).status_code)
+                elif (i + n) % 7 == 0:  # gone mid-request
+                    with socket.create_connection((s.host, s.port)) as c:
+                        c.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Length: 50\r\n\r\n{")
+                else:
+                    raw = hostile[(i + n) % len(hostile)]
+                    codes.append(httpx.post(s.url + "/v1/completions", content=raw, timeout=60).status_code)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert codes and all(c == 200 or 400 <= c < 500 for c in codes), sorted(set(codes))
+        assert 200 in codes and any(400 <= c < 500 for c in codes)
+        got = httpx.post(s.url + "/v1/completions", json=good, timeout=60).json()["choices"][0]
+        assert got["text"] == want["text"] and got["logprobs"]["token_logprobs"] == want["logprobs"]["token_logprobs"]
+        assert _rss_mib() - before < 300, (before, _rss_mib())
+    finally:
+        s.close()
