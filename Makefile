@@ -56,7 +56,7 @@ browser-deps:
 
 # The fast loop while editing: every test not marked slow or browser (under a minute on 2 cores).
 quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not browser" tests
+	$(BIN)/python -m pytest -q -m "not slow and not browser" --durations=10 tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/test_book.py
@@ -71,7 +71,7 @@ book: $(STAMP)
 
 # Unit tests, the loopback servers, and every chapter executed once (into the book, whose pages a browser checks).
 test: $(STAMP) browser-deps lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # Regenerate shipped data (see README): the corpus, then the model (about an hour on 2 CPU cores).
 data: $(STAMP)

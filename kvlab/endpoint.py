@@ -544,12 +544,10 @@ def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, ma
     fresh prompt attend in full precision, so this rung moves with the KV format only where the
     prompt itself reads the quantized cache (``kvlab serve --prefill cached``, chunked prefill).
     """
-    from .paths import CORPUS_DIR
+    from .tasks import corpus_text
 
     if text is None:
-        import gzip
-
-        text = gzip.open(CORPUS_DIR / "heldout.txt.gz", "rt").read()
+        text = corpus_text("heldout")
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) < window + 1:
         raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")

@@ -274,11 +274,7 @@ def perplexity_windows(tok, text: str | None = None, window: int = 512, max_wind
     from .tasks import bos
 
     if text is None:
-        import gzip
-
-        from .models import DATA_DIR
-
-        text = gzip.open(DATA_DIR / "corpus" / "heldout.txt.gz", "rt").read()
+        text = tasks.corpus_text("heldout")
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) < window + 1:
         raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")

@@ -57,38 +57,97 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
-def _model_facts(sweep) -> dict:
-    """What one model's long sweep says, rung by rung (the sentences of 4.1 and 4.2 read these)."""
+def _lists(sweep, stage: str) -> dict:
+    """Which formats the paired test finds worse where, in one stage of one model's sweep."""
     from .results import rungs
 
-    rows = rungs(sweep)
-    by = {r["kv_format"]: r for r in rows}
-    lengths = sweep.lengths("filler")
-    ref = {n: sweep.counts("filler", "fp32", n) for n in lengths}
-    prompts = {t for _, t in ref.values()}
+    if not sweep.lengths(stage):
+        return {"measured": False, "lengths": [], "never": [], "short": [], "later": [], "trap": [], "by": {},
+                "never_md": "none", "short_md": "none", "later_md": "none", "trap_md": "none", "flips": []}
+    by = {r["kv_format"]: r for r in rungs(sweep, stage)}
+    lengths = sweep.lengths(stage)
     fell = {f: r["worse_at"] for f, r in by.items() if r["worse_at"]}
-    flips = [f for f, at in fell.items() if any(n not in at for n in lengths if n > at[0])]
-    seconds = sum(r.get("seconds", 0) for r in sweep.records)
-    ppl = {f: r["ppl_increase"] for f, r in by.items() if r["ppl_increase"] is not None}
+    later = [f for f, r in by.items() if r["short_verdict"] != "worse" and r["worse_at"]]
     return {
-        "name": CH4_NAMES.get(sweep.model, sweep.model), "model": sweep.model, "rows": rows, "by": by,
-        "lengths": lengths, "longest": lengths[-1], "longest_k": _k(lengths[-1]), "shortest_k": _k(lengths[0]),
-        "lengths_text": ", ".join(_k(n) for n in lengths), "prompts": min(prompts), "prompts_all": prompts,
-        "ref": ref, "ref_text": ", ".join(f"{c}/{t} at {_k(n)}" for n, (c, t) in ref.items()),
+        "measured": True, "lengths": lengths, "by": by, "rows": list(by.values()),
+        "longest": lengths[-1], "longest_k": _k(lengths[-1]), "shortest_k": _k(lengths[0]),
+        "lengths_text": ", ".join(_k(n) for n in lengths),
         "never": [f for f in by if f not in fell], "never_md": names_md([f for f in by if f not in fell]),
         "short": [f for f, r in by.items() if r["short_verdict"] == "worse"],
         "short_md": names_md([f for f, r in by.items() if r["short_verdict"] == "worse"]),
-        "later": [f for f, r in by.items() if r["short_verdict"] != "worse" and r["worse_at"]],
-        "later_md": names_md([f"{f}` ({', '.join(_k(n) for n in r['worse_at'])})`" for f, r in by.items()
-                              if r["short_verdict"] != "worse" and r["worse_at"]]).replace("``", ""),
+        "later": later, "later_md": ", ".join(f"`{f}` ({', '.join(_k(n) for n in by[f]['worse_at'])})"
+                                              for f in later) or "none",
         "trap": [f for f, r in by.items() if r["trap"]], "trap_md": names_md([f for f, r in by.items() if r["trap"]]),
-        "flips": flips, "flips_md": names_md(flips),
-        "ppl": ppl, "ppl_windows": len([r for r in sweep.records if r["stage"] == "perplexity"]),
-        "ppl_flags": [f for f, r in by.items() if r["ppl_increase"] is not None and not r["ppl_ok"]],
+        "flips": [f for f, at in fell.items() if any(n not in at for n in lengths if n > at[0])],
+        "ref": {n: sweep.counts(stage, "fp32", n) for n in lengths},
+    }
+
+
+def _model_facts(sweep) -> dict:
+    """What one model's long sweep says, rung by rung (the sentences of 4.1-4.3 read these)."""
+    f = _lists(sweep, "filler")
+    if not f["measured"]:
+        raise ValueError(f"the {sweep.model} sweep has no filler prompts")
+    ref = f["ref"]
+    prompts = {t for _, t in ref.values()}
+    seconds = sum(r.get("seconds", 0) for r in sweep.records)
+    ppl = {n: r["ppl_increase"] for n, r in f["by"].items() if r["ppl_increase"] is not None}
+    return f | {
+        "name": CH4_NAMES.get(sweep.model, sweep.model), "model": sweep.model,
+        "prompts": min(prompts), "prompts_all": prompts,
+        "ref_text": ", ".join(f"{c}/{t} at {_k(n)}" for n, (c, t) in ref.items()),
+        "flips_md": names_md(f["flips"]), "ppl": ppl,
+        "ppl_windows": len([r for r in sweep.records if r["stage"] == "perplexity"]),
+        "ppl_flags": [n for n, r in f["by"].items() if r["ppl_increase"] is not None and not r["ppl_ok"]],
+        "ppl_flags_md": names_md([n for n, r in f["by"].items() if r["ppl_increase"] is not None and not r["ppl_ok"]]),
         "hours": seconds / 3600, "machine": sweep.header.get("machine", "?"), "date": sweep.header.get("date", "?"),
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
-        "prose_lengths": sweep.lengths("prose"), "cached_lengths": sweep.lengths("cached"),
+        "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"),
     }
+
+
+def _low_bit(fmt: str) -> bool:
+    """A 4-bit (or 2-bit) KV format, mitigations and per-layer mixes included: what "INT4 KV" turns on."""
+    return any(t in fmt for t in ("int4", "q4_", "kivi"))
+
+
+def _refuse_to_skip(models: list[dict], tol: float) -> dict:
+    """Chapter 4's check-yourself question, graded by the sweeps: which rung alone catches low-bit formats
+    the other rungs pass? (``MultipleChoice(**this)``.)"""
+    caught = {"ppl": set(), "short": set(), "long": set(), "only_long": set()}
+    for m in models:
+        for f, r in m["by"].items():
+            if not _low_bit(f):
+                continue
+            tag = f"{f} on {m['name']}"
+            if r["ppl_increase"] is not None and not r["ppl_ok"]:
+                caught["ppl"].add(tag)
+            if r["short_verdict"] == "worse":
+                caught["short"].add(tag)
+            if any(n > m["lengths"][0] for n in r["worse_at"]):
+                caught["long"].add(tag)
+            if r["trap"]:
+                caught["only_long"].add(tag)
+    trapped = "; ".join(sorted(caught["only_long"])) or "none"
+    opts = {
+        "Held-out perplexity, every token reading the cache.":
+            f"Not alone: it flagged {len(caught['ppl'])} low-bit cases over the {tol:.0%} tolerance, but passed "
+            f"these, which a longer needle then caught: {trapped}.",
+        f"A passkey test at the shortest length ({models[0]['shortest_k']}).":
+            f"Not alone: it caught {len(caught['short'])} low-bit cases, but passed these, which a longer needle "
+            f"then caught: {trapped}.",
+        "A passkey test at the longest context you serve.":
+            f"Yes. It is the only rung that caught {trapped}: each passed perplexity (within {tol:.0%}) and the "
+            "short needle, and was worse than full precision on the same prompts at a longer length.",
+        "A short side-by-side with the full-precision teacher.":
+            "Not alone: a residual window keeps the last tokens in full precision, so a short comparison barely "
+            "reads the quantized cache (4.7), while the needle sits far outside any window.",
+    }
+    answer = "A passkey test at the longest context you serve." if caught["only_long"] else \
+        "Held-out perplexity, every token reading the cache."
+    q = ("You turn on a 4-bit KV cache. Which single eval would you refuse to skip? (Graded by this chapter's "
+         "two sweeps: 4.1-4.2.)")
+    return {"question": q, "choices": opts, "answer": answer, "caught": caught}
 
 
 def _rungs_md(models: list[dict], fmts: list[str]) -> str:
@@ -129,6 +188,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     keys = [CH4_KEYS.get(k, k) for k in sweeps]
     values["table_formats"] = list(dict.fromkeys(f for k in sweeps for f in sweeps[k].formats))
     values["rungs_md"] = _rungs_md([values[k] for k in keys], values["table_formats"])
+    values["refuse_to_skip"] = _refuse_to_skip([values[k] for k in keys], PPL_TOLERANCE)
+    caught = values["refuse_to_skip"].pop("caught")
+    values["caught"] = caught
     claims = {
         "every model's sweep ran at least 25 identical prompts a point":
             _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),

@@ -29,7 +29,6 @@ Run (CPU, about 35 minutes on 2 cores in all; minutes on a GPU):
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import platform
@@ -276,8 +275,8 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.time()
 
-    train_text = gzip.open(ROOT / "data/corpus/train.txt.gz", "rt").read()
-    held_text = gzip.open(ROOT / "data/corpus/heldout.txt.gz", "rt").read()
+    train_text = tasks.corpus_text("train")
+    held_text = tasks.corpus_text("heldout")
     if args.init_from is not None:
         from transformers import AutoTokenizer
 

@@ -5,6 +5,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import kvlab.kernels  # noqa: E402,F401  (sets TRITON_INTERPRET=1 on a CPU before anything imports triton)
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests are derandomized by default, so `make test` gives the same verdict on every run and
+# machine (CI included); `pytest --hypothesis-profile=explore` searches with fresh random examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
