@@ -38,6 +38,71 @@ def _claim(ok, evidence=None) -> tuple[bool, object]:
     return bool(ok), evidence
 
 
+# --------------------------------------------------------------------------- chapter 3
+
+CH3_MODEL, CH3_GPU, CH3_CONTEXT = "llama-3.1-8b", "H200", 32768
+CH3_FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "q4_0"]
+H200_FP32_FLOPS = 67e12  # FP32 on the CUDA cores, NVIDIA H200 datasheet
+
+
+def triton_attention(decode_cpu: dict | None = None) -> Facts:
+    """Chapter 3: decode attention's roofline (bytes and intensity per format), what the whole step gains, and
+    what the torch tile path measured on a CPU (``data/results/decode_cpu.json``)."""
+    import json
+
+    from . import budget as B
+    from . import decide, roofline
+    from .paths import RESULTS_DIR
+
+    steps = {f: roofline.decode_step(CH3_MODEL, 1, CH3_CONTEXT, f, gpu=CH3_GPU) for f in CH3_FORMATS}
+    pred = {f: roofline.predicted_speedup(CH3_MODEL, CH3_CONTEXT, f) for f in CH3_FORMATS}
+    whole = {f: decide.step_time(CH3_MODEL, 1, CH3_CONTEXT, f, CH3_GPU).seconds for f in ["bf16", "fp8_e4m3", "int4"]}
+    shape = B.load_shape(CH3_MODEL)
+    gqa = shape.q_heads // shape.layers[0].kv_heads
+    cuda_ridge = H200_FP32_FLOPS / B.get_gpu(CH3_GPU).bandwidth_bytes_per_s
+    dec = decode_cpu if decode_cpu is not None else json.loads((RESULTS_DIR / "decode_cpu.json").read_text())
+    ctx = dec["contexts"]
+    lo, hi = min(ctx, key=int), max(ctx, key=int)
+    mem = {f: (ctx[hi][f]["attend_peak_bytes"], ctx[hi][f]["layer_fp32_kv_bytes"]) for f in ["int8", "int4"]}
+    tile = str(dec["tile_tokens"])
+    r = {f: ctx[hi][f]["ratio_to_dynamic"] for f in ["int8", "fp8_e4m3", "int4"]}
+    aot = json.loads((RESULTS_DIR / "aot_compile.json").read_text())
+    by_arch = {a: [row for row in aot["rows"] if str(row["arch"]) == a] for a in aot["archs"]}
+    failed = {(row["variant"], row["arch"]) for row in aot["rows"] if not row["ok"]}
+    values = {"steps": steps, "pred": pred, "ridge": steps["bf16"].ridge, "cuda_ridge": cuda_ridge,
+              "aot": aot, "by_arch": by_arch,
+              "fp8_whole": whole["bf16"] / whole["fp8_e4m3"], "int4_whole": whole["bf16"] / whole["int4"],
+              "context": CH3_CONTEXT, "dec": dec, "lo": int(lo), "hi": int(hi), "tile": dec["tile_tokens"],
+              "int4_peak_mb": mem["int4"][0] / 1e6, "int4_fp32_mb": mem["int4"][1] / 1e6, "r": r,
+              "int8_lo": ctx[lo]["int8"]["ratio_to_dynamic"]}
+    claims = {
+        "every format sits more than ten times below the tensor-core ridge point":
+            _claim(all(st.intensity < st.ridge / 10 for st in steps.values())),
+        "the H200's ridge point is about 200 FLOP/byte": _claim(150 < values["ridge"] < 250, values["ridge"]),
+        "the H200's CUDA-core ridge is about 14 operations per byte": _claim(abs(cuda_ridge - 14) < 0.5, cuda_ridge),
+        "BF16: 2 FLOPs per element per query head over 2 bytes per element":
+            _claim(abs(steps["bf16"].intensity - 2 * gqa / 2) < 0.01, steps["bf16"].intensity),
+        "FP8 predicts 2x (its scale adds a few bytes), INT4 about 3.5x":
+            _claim(1.9 < pred["fp8_e4m3"] <= 2.0 and 3.4 < pred["int4"] < 3.6, pred),
+        "for the whole step at batch 1 the gain is far smaller":
+            _claim(values["fp8_whole"] < 1.3 and values["int4_whole"] < 1.3, whole),
+        "a tile is 4,096 tokens": _claim(dec["tile_tokens"] == 4096, dec["tile_tokens"]),
+        "a decode step needs far less than one layer's full-precision K and V":
+            _claim(all(pk < full / 2 for pk, full in mem.values()), mem),
+        "the extra memory stops growing past one tile":
+            _claim(all(tile not in ctx or mem[f][0] <= 1.3 * ctx[tile][f]["attend_peak_bytes"] for f in mem), mem),
+        "INT8 and FP8 within 1.3x of DynamicCache, INT4 within 1.5x":
+            _claim(r["int8"] < 1.3 and r["fp8_e4m3"] < 1.3 and r["int4"] < 1.5, r),
+        "INT4 decodes slower than INT8 although it reads half the bytes": _claim(r["int4"] > r["int8"], r),
+        "FP8 decodes slower than INT8 at about the same bytes": _claim(r["fp8_e4m3"] > r["int8"], r),
+        "only native FP8 E4M3 before sm_89 fails to compile":
+            _claim(all("fp8_e4m3" in v and arch < 89 for v, arch in failed), failed),
+        "the sm_80 FP8 path (codes read as bytes) compiles":
+            _claim(all(row["ok"] for row in by_arch["80"] if "as bytes" in row["variant"])),
+    }
+    return Facts(values, claims)
+
+
 # --------------------------------------------------------------------------- chapter 4
 
 CH4_NAMES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma 3 270M"}
@@ -415,4 +480,5 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     return Facts(values, claims)
 
 
-CHAPTERS: dict[str, Callable[[], Facts]] = {"05_prefix_cache": prefix_cache, "06_choosing_a_format": choosing_a_format}
+CHAPTERS: dict[str, Callable[[], Facts]] = {"03_triton_attention": triton_attention,
+                                            "05_prefix_cache": prefix_cache, "06_choosing_a_format": choosing_a_format}
