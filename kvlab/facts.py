@@ -144,7 +144,7 @@ def _lists(sweep, stage: str) -> dict:
                                               for f in later) or "none",
         "trap": [f for f, r in by.items() if r["trap"]], "trap_md": names_md([f for f, r in by.items() if r["trap"]]),
         "flips": [f for f, at in fell.items() if any(n not in at for n in lengths if n > at[0])],
-        "ref": {n: sweep.counts(stage, "fp32", n) for n in lengths},
+        "ref": {n: sweep.counts("filler" if stage == "cached" else stage, "fp32", n) for n in lengths},
     }
 
 
@@ -169,6 +169,52 @@ def _model_facts(sweep) -> dict:
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
         "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"),
     }
+
+
+CH4_HEAD_DIM = {"smollm2-135m": 64, "gemma3-270m": 256}
+CH4_MITIGATIONS = {"int4_token+sinks4": "int4_token", "int4_token+residual128": "int4_token",
+                   "int4_token+rotate": "int4_token", "int4_tensor+rotate": "int4_tensor", "kivi-2+rotate": "kivi-2",
+                   "int4_g16": "int4", "int4_token@global": "int4_token", "int4_token@sliding": "int4_token"}
+
+
+def values_per_scale(fmt: str, head_dim: int) -> str:
+    """How many of a key's values share one scale: the granularity that decides INT4's fate (as text)."""
+    from .formats import get_format
+
+    q = get_format(fmt.split("@")[0]).key
+    if q.granularity == "tensor":
+        return "all"
+    if q.granularity == "token":
+        return str(head_dim)
+    if q.granularity == "group" and q.group_axis == "channel":
+        return str(q.group_size)
+    return f"{q.group_size} tokens"  # KIVI's keys: one scale per channel across a group of tokens
+
+
+def _mitigations_md(m: dict) -> str:
+    """One line per mitigation on one model: where it is worse, beside where its base format is."""
+    def at(f):
+        r = m["by"].get(f)
+        return "—" if r is None else ", ".join(_k(n) for n in r["worse_at"]) or "never"
+
+    rows = [f"| `{f}` | {at(f)} | `{b}` | {at(b)} |" for f, b in CH4_MITIGATIONS.items() if f in m["by"]]
+    return "| format | worse at | base format | base worse at |\n|---|---|---|---|\n" + "\n".join(rows)
+
+
+def _stage_md(models: list[dict], stage: str) -> str:
+    """Per model, what the paired test found in one stage of the sweep, or that the stage was not run."""
+    lines = []
+    for m in models:
+        st = m[stage]
+        if not st["measured"]:
+            lines.append(f"* **{m['name']}**: not measured in this stage yet (`scripts/sweep_long.py --model "
+                         f"{m['model']} --stages {stage}` adds it to the shipped sweep).")
+            continue
+        ref = ", ".join(f"{c}/{t} at {_k(n)}" for n, (c, t) in st["ref"].items())
+        lines.append(f"* **{m['name']}** ({st['lengths_text']}; full precision {ref}): never worse: {st['never_md']}; "
+                     f"worse already at {st['shortest_k']}: {st['short_md']}; worse only at longer lengths: "
+                     f"{st['later_md']}.")
+    return "\n".join(lines)
 
 
 def _low_bit(fmt: str) -> bool:
@@ -237,6 +283,131 @@ def _rungs_md(models: list[dict], fmts: list[str]) -> str:
     return "\n".join(out)
 
 
+def _smollm2_ladder() -> tuple[dict, dict]:
+    """Chapter 4's SmolLM2 ladder sweep (eval_sweep.json) and the engine comparisons: values and claims."""
+    import json
+
+    from .endpoint import load as load_side_by_side
+    from .endpoint import results as side_results
+    from .paths import RESULTS_DIR
+    from .results import counts, ladder, llamacpp_vs_kvlab, load_sweep
+
+    sweep = load_sweep()
+    E = sweep["formats"]
+    lad = {r["kv_format"]: r for r in ladder(sweep, short=512, long_min=max(sweep["lengths"]))}
+    n_cell = len(sweep["depths"]) * sweep["trials"]
+    v: dict = {"ladder_sweep": sweep, "ladder": lad, "n_cell": n_cell, "n_formats": len(E), "n_depths": len(sweep["depths"]),
+               "ladder_minutes": sweep["seconds"] / 60}
+    c: dict = {
+        "25 formats, each with a prose sweep at 512 and 2048 tokens":
+            _claim(len(E) == 25 and sweep["prose_lengths"] == [512, 2048] and all(E[n]["prose_result"].rows for n in E)),
+        "at least 25 prompts per format and length, up to 8192 tokens, 5 depths":
+            _claim(n_cell >= 25 and max(sweep["lengths"]) >= 8192 and len(sweep["depths"]) >= 5),
+        "the teacher rung is 2 golden prompts, 16 new tokens each":
+            _claim(len(E["fp32"]["teacher"]["first_divergence"]) == 2 and E["fp32"]["teacher"]["max_new_tokens"] == 16),
+    }
+    # 4.4: the prompt reading the quantized cache, at 2048 tokens
+    n_pf, order = 2048, ["fp8_e4m3", "int8", "q4_0", "int4", "int4_token", "kivi-2", "int4_tensor"]
+    pf = {n: (counts(E[n]["passkey"], length=n_pf), counts(sweep["prefill_cached"][n], length=n_pf))
+          for n in order if n in sweep["prefill_cached"]}
+    acc = {n: (a[0] / a[1], b[0] / b[1]) for n, (a, b) in pf.items()}
+    held = ["fp8_e4m3", "int8", "q4_0", "int4", "int4_token"]
+    v |= {"pf": pf, "pf_length": n_pf, "acc": acc, "pf_held_md": ", ".join(f"{acc[n][1]:.0%}" for n in held)}
+    c |= {
+        "25 prompts with the prompt in full precision, 10 with it quantized":
+            _claim(all(a[1] == 25 and b[1] == 10 for a, b in pf.values())),
+        "a quantized prompt costs INT4 per tensor and KIVI-2 over 30 points":
+            _claim(all(acc[n][1] < acc[n][0] - 0.3 for n in ["int4_tensor", "kivi-2"]), acc),
+        "FP8, INT8, q4_0 and the finer INT4 formats hold within 10 points":
+            _claim(all(acc[n][1] >= acc[n][0] - 0.1 for n in held), acc),
+    }
+    # 4.6: mitigations on SmolLM2
+    r, kr = lad, lad["kivi-2+rotate"]
+    c |= {
+        "rotation lifts INT4 per tensor's short needle by 20+ points":
+            _claim(r["int4_tensor+rotate"]["needle_short"] > r["int4_tensor"]["needle_short"] + 0.2),
+        "and halves its perplexity cost": _claim(r["int4_tensor+rotate"]["ppl_increase"] < r["int4_tensor"]["ppl_increase"] / 2),
+        "rotation cuts INT4 per token's perplexity cost threefold":
+            _claim(r["int4_token+rotate"]["ppl_increase"] < r["int4_token"]["ppl_increase"] / 3),
+        "KIVI-4 < groups of 16 < int4 in perplexity cost":
+            _claim(r["kivi-4"]["ppl_increase"] < r["int4_g16"]["ppl_increase"] < r["int4"]["ppl_increase"]),
+        "a zero point per token at least halves the cost": _claim(r["int4"]["ppl_increase"] < r["int4_token"]["ppl_increase"] / 2),
+        "sinks help, less than rotation":
+            _claim(r["int4_token+rotate"]["ppl_increase"] < r["int4_token+sinks4"]["ppl_increase"] < r["int4_token"]["ppl_increase"]),
+        "KIVI-2 with rotation passes the short needle and loses the long one":
+            _claim(kr["needle_short"] >= 0.9 and kr["needle_long"] <= r["fp32"]["needle_long"] - 0.2, kr),
+    }
+    v |= {"kr": kr, "L_smol": max(sweep["lengths"])}
+    # 4.7: what each rung misses
+    kl_gain = lad["int4_token"]["kl"] / lad["int4_token+residual128"]["kl"]
+    res_long, tok_long = lad["int4_token+residual128"]["needle_long"], lad["int4_token"]["needle_long"]
+    chain = sweep["chain2_fp32"]
+    chain_acc = sum(x["correct"] for x in chain) / sum(x["trials"] for x in chain)
+    v |= {"kl_gain": kl_gain, "res_long": res_long, "tok_long": tok_long, "chain_acc": chain_acc,
+          "chain_prompts": sum(x["trials"] for x in chain), "bf16_first": min(E["bf16"]["teacher"]["first_divergence"])}
+    c |= {
+        "a residual window cuts INT4 per token's KL over 5x and leaves its long needle within 3 prompts":
+            _claim(kl_gain > 5 and abs(res_long - tok_long) <= 0.12, (kl_gain, res_long, tok_long)),
+        "SmolLM2 cannot follow a 2-hop chain even in full precision": _claim(chain_acc < 0.3, chain_acc),
+    }
+    # appendix: transformers' QuantizedCache (quanto, HQQ), llama.cpp, two llama.cpp servers
+    eng = json.loads((RESULTS_DIR / "engines_quanto.json").read_text())
+    i4, i2 = eng["formats"]["hf-int4"], eng["formats"]["hf-int2"]
+    rate2 = {side: sum(x for x, _ in i2[side].values()) / sum(t for _, t in i2[side].values()) for side in ("engine", "kvlab")}
+    hq = json.loads((RESULTS_DIR / "engines_hqq.json").read_text())
+    h4, h2 = hq["formats"]["hqq-int4"], hq["formats"]["hqq-int2"]
+
+    def passkeys(row, side):
+        return sum(x for x, _ in row[side].values()), sum(t for _, t in row[side].values())
+
+    llama = json.loads((RESULTS_DIR / "engines_llamacpp.json").read_text())
+    side = llamacpp_vs_kvlab(llama, sweep)
+
+    def rate(x):
+        return x[0] / x[1]
+
+    gap = {(ct, n): rate(x["llama.cpp"]) - rate(x["kvlab"]) for ct, rr in side.items() for n, x in rr["lengths"].items()}
+    drop = {who: {(ct, n): rate(side["f16"]["lengths"][n][who]) - rate(side[ct]["lengths"][n][who])
+                  for ct in side for n in side[ct]["lengths"]} for who in ("llama.cpp", "kvlab")}
+    srv = load_side_by_side(RESULTS_DIR / "engines_llamacpp_server.json")
+    res = side_results(srv)
+    t_url, s_url = srv["teacher"], srv["student"]
+    sacc = {u: rr.accuracy() for u, rr in res.items()}
+    n_srv = sum(x["trials"] for x in res[t_url].rows)
+    v |= {"eng": eng, "i4": i4, "i2": i2, "rate2": rate2, "hq": hq, "h4": h4, "h2": h2,
+          "h2_engine": passkeys(h2, "engine"), "h2_kvlab": passkeys(h2, "kvlab"),
+          "llama": llama, "side": side, "max_drop_llama": 100 * max(abs(d) for d in drop["llama.cpp"].values()),
+          "max_drop_kvlab": max(abs(d) for d in drop["kvlab"].values()), "max_gap": max(abs(g) for g in gap.values()),
+          "q4_slow": side["q4_0"]["seconds"] / side["f16"]["seconds"],
+          "srv": srv, "srv_results": res, "srv_acc_t": sacc[t_url], "srv_acc_s": sacc[s_url], "srv_prompts": n_srv,
+          "srv_disagree": len(srv["disagreements"]), "srv_ag": srv["agreement"],
+          "srv_sec_t": srv["seconds_per_request"][t_url], "srv_sec_s": srv["seconds_per_request"][s_url]}
+    c |= {
+        "at 4 bits kvlab reproduces the engine token for token":
+            _claim(i4["identical"] == i4["prompts"] and i4["mean_kl"] < 0.01, i4["mean_kl"]),
+        "at 4 bits both retrieve the same passkeys": _claim(i4["engine"] == i4["kvlab"]),
+        "at 2 bits the two visibly disagree": _claim(i2["identical"] < i2["prompts"] / 2 and i2["mean_kl"] > 0.1, i2["mean_kl"]),
+        "but both fail the passkey": _claim(max(rate2.values()) <= 0.2, rate2),
+        "at 4 bits HQQ and kvlab's per-token emulation give the same greedy tokens":
+            _claim(h4["identical"] == h4["prompts"], h4["identical"]),
+        "and both retrieve every passkey":
+            _claim(passkeys(h4, "engine") == passkeys(h4, "kvlab") == (h4["prompts"], h4["prompts"])),
+        "at 2 bits they part ways (KL over 0.5)": _claim(h2["mean_kl"] > 0.5, h2["mean_kl"]),
+        "at 2 bits neither side retrieves more than half the passkeys":
+            _claim(max(passkeys(h2, "engine")[0], passkeys(h2, "kvlab")[0]) <= h2["prompts"] / 2),
+        "llama.cpp and kvlab agree within 30 points in every cell": _claim(all(abs(g) <= 0.3 for g in gap.values()), gap),
+        "in llama.cpp, q8_0 and q4_0 retrieve within 20 points of f16 at every length":
+            _claim(max(abs(d) for d in drop["llama.cpp"].values()) <= 0.2, drop),
+        "every (format, length) cell is compared": _claim(len(drop["kvlab"]) == sum(len(rr["lengths"]) for rr in side.values())),
+        "every request was answered": _claim(all(not e for e in srv["errors"].values())),
+        "the servers counted the intended prompt lengths (within 2 tokens)":
+            _claim(max(srv["length_check"].values()) <= 2, srv["length_check"]),
+        "q4_0 retrieves within 2 prompts of f16": _claim(abs(sacc[s_url] - sacc[t_url]) <= 2 / n_srv, sacc),
+        "the next-token distributions still differ measurably": _claim(srv["agreement"]["mean_topk_kl"] > 0),
+    }
+    return v, c
+
+
 def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     """Chapter 4: which formats each model's paired long-context sweep finds worse than full precision, where."""
     from .results import PPL_TOLERANCE, load_long_sweeps
@@ -253,14 +424,24 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     keys = [CH4_KEYS.get(k, k) for k in sweeps]
     values["table_formats"] = list(dict.fromkeys(f for k in sweeps for f in sweeps[k].formats))
     values["rungs_md"] = _rungs_md([values[k] for k in keys], values["table_formats"])
+    ladder_values, ladder_claims = _smollm2_ladder()
+    values |= ladder_values
     values["refuse_to_skip"] = _refuse_to_skip([values[k] for k in keys], PPL_TOLERANCE)
+    for model in sweeps:
+        m = values[CH4_KEYS.get(model, model)]
+        m["mitigations_md"] = _mitigations_md(m)
+        m["head_dim"] = CH4_HEAD_DIM.get(model)
+        m["per_scale"] = {f: values_per_scale(f, m["head_dim"]) for f in CH4_FIGURE if m["head_dim"]}
+    values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
+    values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
+
     caught = values["refuse_to_skip"].pop("caught")
     values["caught"] = caught
     claims = {
         "every model's sweep ran at least 25 identical prompts a point":
             _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),
                    {k: values[CH4_KEYS.get(k, k)]["prompts_all"] for k in sweeps}),
-    }
+    } | ladder_claims
     return Facts(values, claims)
 
 

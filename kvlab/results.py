@@ -605,3 +605,29 @@ def quality_by_length(sweep: dict, formats) -> dict[str, dict[int, float | None]
             trials = sum(c["trials"] for c in at)
             out[str(fmt)][n] = sum(c["correct"] for c in at) / trials if trials else None
     return out
+
+
+# --------------------------------------------------------------------------- engines beside kvlab
+
+LLAMA_TO_PRESET = {"f16": "fp16", "q8_0": "q8_0", "q4_0": "q4_0"}
+
+
+def llamacpp_vs_kvlab(llama: dict, sweep: dict) -> dict:
+    """Passkey exact match per context length, llama.cpp beside kvlab's emulation of the same cache type.
+
+    ``llama`` is ``data/results/engines_llamacpp.json``, ``sweep`` chapter 4's ``eval_sweep.json`` (same prompts).
+    Returns ``{cache type: {"preset", "lengths": {n: {"llama.cpp": (correct, trials), "kvlab": (correct,
+    trials)}}, "seconds"}}`` over the cells both measured.
+    """
+    out = {}
+    for ct, res in llama["cache_types"].items():
+        preset = LLAMA_TO_PRESET[ct]
+        ours = sweep["formats"][preset]["passkey"]
+        cells = {(r["length"], r["depth"]) for r in res["rows"]} & {(r["length"], r["depth"]) for r in ours}
+        if not cells:
+            raise ValueError(f"llama.cpp {ct} and kvlab's {preset} share no (length, depth) cell")
+        pick = lambda rows, cells=cells: [r for r in rows if (r["length"], r["depth"]) in cells]
+        out[ct] = {"preset": preset, "seconds": res["seconds"], "lengths": {
+            n: {"llama.cpp": counts(pick(res["rows"]), length=n), "kvlab": counts(pick(ours), length=n)}
+            for n in sorted({n for n, _ in cells})}}
+    return out

@@ -84,21 +84,6 @@ def test_shipped_llamacpp_comparison_has_its_schema():
         assert all(0 <= r["correct"] <= r["trials"] == doc["trials"] for r in v["rows"]) and v["seconds"] > 0
 
 
-def test_llamacpp_beside_kvlab_joins_the_same_cells():
-    llama = {"cache_types": {"q4_0": {"seconds": 3.0, "rows": [
-        {"length": 512, "depth": 0.0, "trials": 5, "correct": 4}, {"length": 512, "depth": 1.0, "trials": 5, "correct": 5},
-        {"length": 2048, "depth": 0.0, "trials": 5, "correct": 1}]}}}
-    sweep = {"formats": {"q4_0": {"passkey": [
-        {"length": 512, "depth": 0.0, "trials": 5, "correct": 5}, {"length": 512, "depth": 1.0, "trials": 5, "correct": 3},
-        {"length": 8192, "depth": 0.0, "trials": 5, "correct": 2}]}}}
-    t = engines.llamacpp_vs_kvlab(llama, sweep)["q4_0"]
-    assert t["preset"] == "q4_0" and set(t["lengths"]) == {512}  # 2048 and 8192 were measured by one side only
-    assert t["lengths"][512] == {"llama.cpp": (9, 10), "kvlab": (8, 10)}
-    sweep["formats"]["q4_0"]["passkey"] = sweep["formats"]["q4_0"]["passkey"][2:]
-    with pytest.raises(ValueError, match="share no"):
-        engines.llamacpp_vs_kvlab(llama, sweep)
-
-
 def test_shipped_llamacpp_server_comparison_has_its_schema():
     from kvlab import endpoint
 

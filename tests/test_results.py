@@ -266,3 +266,18 @@ def test_rates_with_intervals_draw_the_wilson_interval():
     assert rates == [1.0, 0.25] and err["array"][0] == 0.0
     lo, hi = R.wilson(1, 4)
     assert err["arrayminus"][1] == pytest.approx(0.25 - lo) and err["array"][1] == pytest.approx(hi - 0.25)
+
+
+def test_llamacpp_beside_kvlab_joins_the_same_cells():
+    llama = {"cache_types": {"q4_0": {"seconds": 3.0, "rows": [
+        {"length": 512, "depth": 0.0, "trials": 5, "correct": 4}, {"length": 512, "depth": 1.0, "trials": 5, "correct": 5},
+        {"length": 2048, "depth": 0.0, "trials": 5, "correct": 1}]}}}
+    sweep = {"formats": {"q4_0": {"passkey": [
+        {"length": 512, "depth": 0.0, "trials": 5, "correct": 5}, {"length": 512, "depth": 1.0, "trials": 5, "correct": 3},
+        {"length": 8192, "depth": 0.0, "trials": 5, "correct": 2}]}}}
+    t = R.llamacpp_vs_kvlab(llama, sweep)["q4_0"]
+    assert t["preset"] == "q4_0" and set(t["lengths"]) == {512}  # 2048 and 8192 were measured by one side only
+    assert t["lengths"][512] == {"llama.cpp": (9, 10), "kvlab": (8, 10)}
+    sweep["formats"]["q4_0"]["passkey"] = sweep["formats"]["q4_0"]["passkey"][2:]
+    with pytest.raises(ValueError, match="share no"):
+        R.llamacpp_vs_kvlab(llama, sweep)
