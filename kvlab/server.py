@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import select
 import socket
 import threading
@@ -29,6 +30,8 @@ from .formats import get_format
 
 MAX_LOGPROBS = 20
 SOCKET_TIMEOUT_S = 30.0  # a client that sends nothing for this long is dropped (a half-sent request cannot pin a thread)
+REQUEST_DEADLINE_S = 60.0  # and one that drips its request must have sent all of it by then
+MAX_CONNECTIONS = 64  # connections handled at once; more get 503 at once instead of a thread each
 MAX_JSON_DEPTH = 32  # deeper JSON is refused before parsing (Python's parser would recurse into it)
 # every field of /v1/completions this server reads; anything else is refused with 400 rather than ignored
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "best_of", "stream", "logprobs", "echo",
@@ -71,24 +74,24 @@ def _number_field(body: dict, name: str, default: float, lo: float, hi: float) -
     return float(v)
 
 
-def _json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True when no array or object in ``raw`` nests deeper than ``limit`` (brackets inside strings ignored)."""
+def _json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when no array or object in ``text`` nests deeper than ``limit`` (brackets inside strings ignored)."""
     depth, in_str, esc = 0, False, False
-    for b in raw:
+    for ch in text:
         if in_str:
             if esc:
                 esc = False
-            elif b == 0x5C:  # backslash
+            elif ch == "\\":
                 esc = True
-            elif b == 0x22:  # quote
+            elif ch == '"':
                 in_str = False
-        elif b == 0x22:
+        elif ch == '"':
             in_str = True
-        elif b in (0x5B, 0x7B):
+        elif ch in "[{":
             depth += 1
             if depth > limit:
                 return False
-        elif b in (0x5D, 0x7D):
+        elif ch in "]}":
             depth -= 1
     return True
 
@@ -98,6 +101,50 @@ class _Handler(BaseHTTPRequestHandler):
 
     timeout = SOCKET_TIMEOUT_S  # applied to the socket by StreamRequestHandler.setup
     protocol_version = "HTTP/1.0"
+    def send_error(self, code, message=None, explain=None):
+        """Errors raised by http.server itself (a bad request line, headers too long) in the API's JSON shape."""
+        short, long = self.responses.get(code, ("error", ""))
+        self.close_connection = True
+        try:
+            if self.command == "HEAD" or code < 200 or code in (204, 304):
+                self.send_response(code, message)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                return
+            self._error(code, f"{message or short}: {explain or long}")
+        except OSError:
+            pass
+
+    def setup(self):
+        super().setup()
+        self.read_done = False  # set once the whole request is read; a client that drips it is cut off
+        self._deadline = threading.Timer(REQUEST_DEADLINE_S, self._too_slow)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def finish(self):
+        self._deadline.cancel()
+        try:
+            super().finish()
+        except OSError:  # the client is gone: nothing left to flush to
+            pass
+
+    def _too_slow(self):
+        if not self.read_done:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _method_not_allowed(self):
+        self._error(405, f"{self.command} is not supported; use GET or POST")
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
+
+    def do_HEAD(self):
+        self.send_response(405)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def log_message(self, *args):  # quiet: the client reports
         pass
@@ -116,6 +163,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         srv = self.server.kvlab
+        self.read_done = True
         if self.path == "/health":
             return self._send(200, {"status": "ok"})
         if self.path == "/v1/models":
@@ -130,7 +178,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw_len = self.headers.get("Content-Length")
         if raw_len is None:
             raise RequestError(411, "a POST needs a Content-Length header")
-        if not raw_len.strip().isdigit():
+        if not re.fullmatch(r"[0-9]{1,18}", raw_len.strip()):
             raise RequestError(400, f"Content-Length must be a non-negative integer, got {raw_len[:40]!r}")
         n = int(raw_len)
         if n > srv.max_body:
@@ -139,12 +187,19 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(n)
         if len(raw) < n:
             raise RequestError(400, f"the request body ended after {len(raw)} of {n} bytes")
-        if not _json_depth_ok(raw):
+        self.read_done = True
+        try:
+            text = raw.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); the depth scan reads the same text
+        except UnicodeDecodeError as e:
+            raise RequestError(400, f"the request body is not JSON: not UTF-8 ({e.reason})") from None
+        if not _json_depth_ok(text):
             raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
         try:
-            body = json.loads(raw or b"null", parse_constant=_no_constant)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(text or "null", parse_constant=_no_constant)
+        except json.JSONDecodeError as e:
             raise RequestError(400, f"the request body is not JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
         except _NotStrict as e:
             raise RequestError(400, f"the request body is not strict JSON: {e}") from None
         except ValueError as e:  # e.g. an integer of thousands of digits
@@ -172,12 +227,45 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(500, f"{type(e).__name__}: {e}")
 
     def _client_gone(self) -> bool:
-        """True when the client has closed its side (readable with nothing to read)."""
+        """True when the client has closed its side (readable with nothing to read).
+
+        A client that only half-closes (``shutdown(SHUT_WR)`` after its request, as ``nc -N`` does) looks
+        the same from here and is treated as gone: HTTP/1.0 clients that want an answer keep both sides open.
+        """
         try:
             ready, _, _ = select.select([self.connection], [], [], 0)
             return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
+
+
+class _Server(ThreadingHTTPServer):
+    """The standard threading server with a real listen backlog and a cap on connections handled at once."""
+
+    request_queue_size = 128  # the default 5 drops connections when a few dozen clients arrive together
+    daemon_threads = True
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            body = b'{"error": {"message": "too many connections; retry", "type": "server_error", "code": 503}}'
+            try:
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class CompletionServer:
@@ -210,8 +298,7 @@ class CompletionServer:
         # JSON may escape each character as \uXXXX (6 bytes); token-id lists take at most 12 bytes an id
         self.max_body = 65536 + max(6 * self.max_prompt_chars, 12 * self.max_context)
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), _Handler)
         self.httpd.kvlab = self
         self.host, self.port = host, self.httpd.server_address[1]
         self._thread: threading.Thread | None = None
@@ -294,10 +381,12 @@ class CompletionServer:
         if unknown:
             raise RequestError(400, f"unsupported field(s) {', '.join(map(repr, unknown[:5]))}; this server reads "
                                     f"{', '.join(sorted(FIELDS))}")
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise RequestError(400, f"'model' must be a string, got {str(body['model'])[:40]!r}")
         if body.get("model") not in (None, self.name):
             raise RequestError(404, f"model {str(body['model'])[:80]!r} does not exist; this server serves {self.name!r}")
-        if body.get("stream") not in (None, False):
-            raise RequestError(400, "stream=true is not supported")
+        if body.get("stream") not in (None, False) or (body.get("stream") is not None and not isinstance(body["stream"], bool)):
+            raise RequestError(400, f"'stream' must be false (streaming is not supported), got {str(body['stream'])[:40]!r}")
         _int_field(body, "n", 1, 1, 1)  # only n=1: anything else is refused with its range
         _int_field(body, "best_of", 1, 1, 1)
         temp = _number_field(body, "temperature", 0, 0, 2)
