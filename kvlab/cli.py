@@ -30,6 +30,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvlab: error: {message}\n")
 
 
+MAX_LENGTH = 1 << 20  # tokens in one prompt: past every model here (a larger one would only exhaust memory)
 MAX_REQUESTS = 1_000_000  # serve-sim replays this many at most (about a minute of simulation on a laptop)
 
 
@@ -154,6 +155,8 @@ def _int_list(name):
             raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
         if not vals or min(vals) < 1:
             raise argparse.ArgumentTypeError(f"{name} must be positive integers, got {text!r}")
+        if max(vals) > MAX_LENGTH:
+            raise argparse.ArgumentTypeError(f"{name} must be at most {MAX_LENGTH:,} tokens, got {max(vals):,}")
         return vals
 
     return parse
@@ -234,8 +237,15 @@ def cmd_niah_endpoint(args) -> int:
     if args.prefill != "full":
         print("kvlab: error: --prefill is the server's business with --endpoint", file=sys.stderr)
         return 2
+    if args.out is not None and not args.out.strip():
+        print("kvlab: error: --out is empty", file=sys.stderr)
+        return 2
     out = Path(args.out or "kvlab-endpoints.json")
     journal = out.with_suffix(".requests.jsonl")
+    for path, flag in ((out, "--out"), (journal, "--out's journal")):
+        if why := out_problem(path, flag):  # before any request: the answers must have somewhere to go
+            print(f"kvlab: error: {why}", file=sys.stderr)
+            return 2
     try:
         eps = [E.Endpoint(u, model=args.endpoint_model, timeout=args.timeout, retries=args.retries,
                            backoff=args.backoff)
@@ -247,14 +257,27 @@ def cmd_niah_endpoint(args) -> int:
             tok = AutoTokenizer.from_pretrained(resolve(name))
         except (OSError, ValueError) as e:
             raise ValueError(f"--tokenizer {name}: could not load it ({str(e).splitlines()[0]})") from None
+        for e in eps:  # the server says how long a prompt may be: refuse what it would refuse, before building it
+            e.resolve_model()
+            limit = e.identity.get("max_model_len")
+            if isinstance(limit, int) and max(args.lengths) + args.max_tokens > limit:
+                raise ValueError(f"--lengths {max(args.lengths)} + --max-tokens {args.max_tokens} is past {e.url}'s "
+                                 f"max_model_len of {limit}")
         prompts = E.ladder_prompts(tok, args.task, args.lengths, args.depths or [1.0], args.trials, seed=args.seed,
                                    hops=args.hops, haystack=args.haystack)
         t0 = time.perf_counter()
         records = E.run_ladder(eps, prompts, journal, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
                                concurrency=args.concurrency, progress=not args.json)
         doc = E.side_by_side(records, eps[0].url, eps[1].url if len(eps) > 1 else None)
-        if args.ppl_windows:
-            doc["perplexity"] = {e.url: E.perplexity(e, tok, max_windows=args.ppl_windows) for e in eps}
+        if args.ppl_windows:  # a failed rung is recorded beside the ladder's result, not instead of it
+            doc["perplexity"], doc["perplexity_errors"] = {}, {}
+            for e in eps:
+                try:
+                    doc["perplexity"][e.url] = E.perplexity(e, tok, max_windows=args.ppl_windows)
+                except E.EndpointError as err:
+                    doc["perplexity"][e.url] = None
+                    doc["perplexity_errors"][e.url] = str(err)
+                    print(f"kvlab: warning: perplexity: {err}", file=sys.stderr)
     except (ValueError, E.EndpointError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2

@@ -50,8 +50,8 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C during :func:`run_ladder`: no new request was sent, every answer that arrived was kept."""
 
     def __init__(self, kept: int, left: int, journal: Path):
-        super().__init__(f"interrupted: {kept} answers kept in {journal}, {left} not asked; run the same command "
-                         "again to resume")
+        super().__init__(f"interrupted: {kept} answers kept in {journal}, {left} not answered; run the same "
+                         "command again to resume")
         self.kept, self.left, self.journal = kept, left, journal
 
 
@@ -118,15 +118,26 @@ class Endpoint:
             self._client = None
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One JSON request with retries on 429, 5xx, timeouts and dropped connections."""
+        """One JSON request with retries on 429, 5xx, timeouts and dropped connections.
+
+        ``timeout`` bounds the whole answer, not each read: a server that drips its answer a byte at a
+        time is cut off like one that never answers.
+        """
         import httpx
 
         url, last = self.url + path, ""
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), 30.0))
+            deadline = time.monotonic() + self.timeout
             try:
-                r = self.client.request(method, url, json=body)
+                with self.client.stream(method, url, json=body) as r:
+                    chunks = []
+                    for chunk in r.iter_bytes():
+                        chunks.append(chunk)
+                        if time.monotonic() > deadline:
+                            raise httpx.ReadTimeout("the answer took longer than the timeout")
+                    content = b"".join(chunks)
             except httpx.TimeoutException:
                 last = f"no answer within {self.timeout:g} s"
                 continue
@@ -137,17 +148,16 @@ class Endpoint:
                 last = f"{type(e).__name__}: {e}"
                 continue
             if r.status_code == 429 or r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {_server_message(r)}"
+                last = f"HTTP {r.status_code}: {_server_message(content)}"
                 retry_after = r.headers.get("Retry-After", "")
                 if retry_after.isdigit() and attempt < self.retries:
                     time.sleep(min(float(retry_after), 30.0))
                 continue
             if r.status_code >= 400:
-                raise EndpointError(f"{url} answered HTTP {r.status_code}: {_server_message(r)}")
-            try:
-                doc = r.json()
-            except ValueError:
-                raise EndpointError(f"{url} answered with something that is not JSON: {r.text[:200]!r}") from None
+                raise EndpointError(f"{url} answered HTTP {r.status_code}: {_server_message(content)}")
+            doc = _json_or_none(content)
+            if doc is None:
+                raise EndpointError(f"{url} answered with something that is not JSON: {content[:200]!r}")
             if not isinstance(doc, dict):
                 raise EndpointError(f"{url} answered with JSON that is not an object: {str(doc)[:200]}")
             return doc
@@ -203,7 +213,11 @@ class Endpoint:
         except (KeyError, IndexError, TypeError):
             raise EndpointError(f"{self.url}/v1/completions: malformed answer (no choices[0].text): "
                                 f"{json.dumps(doc)[:200]}") from None
-        out = {"text": text, "prompt_tokens": (doc.get("usage") or {}).get("prompt_tokens")}
+        usage = doc.get("usage")
+        counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if isinstance(counted, bool) or not isinstance(counted, int) or counted < 0:
+            counted = None  # a server that does not count, or counts in a shape we cannot read: not compared
+        out = {"text": text, "prompt_tokens": counted}
         if logprobs is not None:
             lp = choice.get("logprobs")
             if not isinstance(lp, dict) or not isinstance(lp.get("top_logprobs"), list) or not lp["top_logprobs"]:
@@ -211,7 +225,10 @@ class Endpoint:
                                     "server so that it returns them, or run with --top-logprobs 0")
             where = f"{self.url}/v1/completions"
             tops = [_top_dict(t, where) for t in lp["top_logprobs"]]
-            tlps = [None if x is None else _finite_logprob(x, where) for x in (lp.get("token_logprobs") or [])]
+            raw_tlps = lp.get("token_logprobs") or []
+            if not isinstance(raw_tlps, list):
+                raise EndpointError(f"{where}: logprobs.token_logprobs must be a list, got {str(raw_tlps)[:120]}")
+            tlps = [None if x is None else _finite_logprob(x, where) for x in raw_tlps]
             toks = lp.get("tokens") or []
             if not isinstance(toks, list) or not all(isinstance(t, str) for t in toks):
                 raise EndpointError(f"{where}: logprobs.tokens must be a list of strings, got {str(toks)[:120]}")
@@ -244,14 +261,22 @@ def _top_dict(entry, where: str) -> dict[str, float] | None:
     return {k: _finite_logprob(v, where) for k, v in entry.items()}
 
 
-def _server_message(r) -> str:
+def _json_or_none(content: bytes):
+    """``content`` parsed as JSON (NaN and Infinity allowed: the fields that matter are checked one by one),
+    or None if it is not JSON, or nests too deeply to parse."""
     try:
-        doc = r.json()
-        err = doc.get("error", doc) if isinstance(doc, dict) else doc
-        msg = err.get("message", err) if isinstance(err, dict) else err
-        return str(msg)[:300]
-    except ValueError:
-        return (r.text or r.reason_phrase or "")[:300]
+        return json.loads(content)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _server_message(content: bytes) -> str:
+    doc = _json_or_none(content)
+    if doc is None:
+        return content[:300].decode("utf-8", "replace")
+    err = doc.get("error", doc) if isinstance(doc, dict) else doc
+    msg = err.get("message", err) if isinstance(err, dict) else err
+    return str(msg)[:300]
 
 
 # --------------------------------------------------------------------------- the ladder
@@ -355,6 +380,8 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
         raise ValueError(f"max_tokens must be an integer in [1, 4096], got {max_tokens!r}")
     journal = Path(journal)
+    if journal.exists() and not journal.is_dir() and not journal.is_file():
+        raise ValueError(f"journal {str(journal)!r} exists and is not a regular file")
     if journal.is_dir() or not journal.parent.is_dir():
         raise ValueError(f"journal {str(journal)!r}: " + ("is a directory" if journal.is_dir()
                          else f"folder {str(journal.parent)!r} does not exist"))
@@ -407,8 +434,9 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
             try:
                 for fut in as_completed(running):  # the answers already on their way are kept
                     write(fut.result())
-            except KeyboardInterrupt:
-                pass  # a second Ctrl-C: stop waiting for them
+            except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, and cut the requests in flight
+                for ep in endpoints:
+                    ep.close()
             pool.shutdown(wait=False, cancel_futures=True)
             raise Interrupted(kept, len(todo) - kept, journal) from None
         finally:
@@ -560,6 +588,9 @@ def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, ma
             raise EndpointError(f"{ep.url} returned no prompt logprobs with echo=true; this rung needs them")
         nll -= sum(lps)
         count += len(lps)
+    if nll / count > 700:  # exp would overflow: the server gave (near-)zero probabilities to the text
+        raise EndpointError(f"{ep.url}: perplexity beyond float range (mean NLL {nll / count:.0f} nats a token): "
+                            "the server gave the held-out text near-zero probabilities")
     return math.exp(nll / count)
 
 

@@ -28,6 +28,12 @@ def out_problem(path: str | Path, flag: str = "--out") -> str | None:
         return f"{flag} {path}: exists and is not a regular file"
     if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
         return f"{flag} {path}: is not writable"
+    try:  # access() says yes to root everywhere (/proc included): create a file there to be sure
+        fd, probe = tempfile.mkstemp(dir=out.parent, suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{flag} {path}: cannot create a file in {str(out.parent)!r} ({e.strerror or e})"
     return None
 
 

@@ -417,3 +417,91 @@ def test_ctrl_c_on_the_cli_exits_130_with_one_line(stub, tmp_path):
     assert "Traceback" not in err and "run the same command again" in err
     kept = len((tmp_path / "o.requests.jsonl").read_text().splitlines())
     assert kept == s.count  # every request sent was answered and kept
+
+
+@pytest.mark.parametrize("body, why", [
+    ({"choices": [{"text": "1"}], "usage": [1, 2]}, None),  # an unreadable usage: not compared, not a crash
+    ({"choices": [{"text": "1", "logprobs": {"tokens": ["1"], "token_logprobs": 5, "top_logprobs": [{"1": -0.1}]}}]},
+     "token_logprobs must be a list"),
+    (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+    (b'{"choices": [{"text": "1"}], "usage": {"prompt_tokens": NaN}}', None),
+])
+def test_malformed_answers_are_errors_not_crashes(stub, body, why):
+    s = stub(lambda n: (200, body))
+    ep = E.Endpoint(s.url, retries=0)
+    if why is None:
+        out = ep.complete("p", logprobs=None)
+        assert out["prompt_tokens"] is None
+    else:
+        with pytest.raises(E.EndpointError, match=why):
+            ep.complete("p", logprobs=1)
+
+
+def test_timeout_bounds_the_whole_answer_not_each_read():
+    """A server that drips its answer a byte at a time is cut off after --timeout, not after the last byte."""
+    class Drip(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            data = json.dumps(_completion()).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for b in data:
+                try:
+                    self.wfile.write(bytes([b]))
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        ep = E.Endpoint(f"http://127.0.0.1:{httpd.server_address[1]}", model="m", timeout=1.0, retries=0)
+        t0 = time.time()
+        with pytest.raises(E.EndpointError, match="no answer within 1 s"):
+            ep.complete("p")
+        assert time.time() - t0 < 5
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_perplexity_beyond_float_range_is_an_error_and_the_ladder_is_still_written(stub, tmp_path, capsys):
+    def behave(n):
+        lp = {"tokens": ["a"] * 4, "token_logprobs": [None] + [-9999.0] * 3, "top_logprobs": [None] + [{"a": -9999.0}] * 3}
+        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": 3}}
+
+    s = stub(behave)
+    ep = E.Endpoint(s.url)
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return list(range(600))
+
+        def decode(self, ids):
+            return "x" * len(ids)
+
+    with pytest.raises(E.EndpointError, match="beyond float range"):
+        E.perplexity(ep, Tok(), text="x", window=512, max_windows=1)
+    out = tmp_path / "o.json"
+    rc = main(["niah", "--endpoint", s.url, "--model", "smollm2-135m", "--lengths", "256", "--trials", "1",
+               "--depths", "0.5", "--ppl-windows", "1", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and doc["perplexity"] == {s.url: None} and "beyond float range" in doc["perplexity_errors"][s.url]
+
+
+def test_lengths_past_the_servers_window_and_bad_outs_are_refused_up_front(stub, tmp_path, capsys):
+    s = stub(lambda n: (200, _completion()), models=("m",))
+    s.httpd.RequestHandlerClass.do_GET = lambda self: self._answer(200, {"data": [{"id": "m", "max_model_len": 1000}]})
+    assert main(["niah", "--endpoint", s.url, "--lengths", "2048", "--out", str(tmp_path / "o.json")]) == 2
+    assert "max_model_len of 1000" in capsys.readouterr().err and s.count == 0
+    assert main(["niah", "--endpoint", s.url, "--lengths", "256", "--out", "/proc/version"]) == 2
+    assert "cannot create a file" in capsys.readouterr().err
+    assert main(["niah", "--endpoint", s.url, "--lengths", "256", "--out", " "]) == 2
+    with pytest.raises(SystemExit):
+        main(["niah", "--endpoint", s.url, "--lengths", "100000000"])
