@@ -19,9 +19,10 @@ from collections.abc import Callable
 class Facts(dict):
     """Values by name (a dict, so templates read them) plus ``claims``: sentence -> (holds, evidence)."""
 
-    def __init__(self, values: dict, claims: dict[str, tuple[bool, object]]):
+    def __init__(self, values: dict, claims: dict[str, tuple[bool, object] | bool]):
         super().__init__(values)
-        self.claims = claims
+        # a claim is (holds, evidence), or a bare truth value where the sentence is its own evidence
+        self.claims = {c: (bool(v[0]), v[1]) if isinstance(v, tuple) else (bool(v), None) for c, v in claims.items()}
 
     def failed(self) -> dict[str, object]:
         """``{claim: evidence}`` for every claim the data no longer support."""
