@@ -5,7 +5,9 @@ Each section starts with a line ``<!-- section: NAME -->`` and runs to the next 
 ``{field:format}`` placeholders (Python's format syntax) filled from a :class:`kvlab.facts.Facts`.
 The facts module checks every claim a sentence makes against the data, with named thresholds, and
 ``tests/test_facts.py`` renders every section in ``make quick``: a change to shipped data or to the
-library that breaks a sentence fails there, not at the end of the book build.
+library that breaks a sentence fails there, not at the end of the book build. A section named
+``live-...`` states what the chapter measures as it runs; the chapter fills it from a ``Facts`` of those
+measurements (with their claims), so only the book build renders it.
 
     >>> from kvlab import facts, prose
     >>> prose.show("05_prefix_cache", "costs", facts.prefix_cache())    # in a chapter: one line

@@ -17,8 +17,9 @@ def test_every_claim_a_chapter_makes_holds_on_the_shipped_data(chapter):
 
 
 def test_every_section_of_the_chapter_renders(chapter):
+    """Sections named live-... are filled from what the chapter measures when it runs (the book build renders them)."""
     name, F = chapter
-    for section in prose.sections(name):
+    for section in [s for s in prose.sections(name) if not s.startswith("live-")]:
         text = prose.render(name, section, F)
         assert "{" not in text and text.strip()
 
@@ -33,7 +34,7 @@ def test_every_section_is_shown_by_its_chapter_and_every_shown_section_exists(na
     nb = json.loads((prose.PROSE_DIR.parent / f"{name}.ipynb").read_text())
     src = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
     sections = prose.sections(name)
-    assert f'prose.show("{name}",' in src
+    assert f'prose.show("{name}",' in src  # (sections named live-... are filled from values measured as the chapter runs)
     for section in sections:
         assert f'"{section}"' in src, section
     assert set(re.findall(rf'prose\.show\("{name}", "([\w.-]+)"', src)) <= set(sections)
