@@ -70,7 +70,7 @@ def triton_attention(decode_cpu: dict | None = None) -> Facts:
     aot = json.loads((RESULTS_DIR / "aot_compile.json").read_text())
     by_arch = {a: [row for row in aot["rows"] if str(row["arch"]) == a] for a in aot["archs"]}
     failed = {(row["variant"], row["arch"]) for row in aot["rows"] if not row["ok"]}
-    values = {"steps": steps, "pred": pred, "ridge": steps["bf16"].ridge, "cuda_ridge": cuda_ridge,
+    values = {"steps": steps, "pred": pred, "ridge": steps["bf16"].ridge, "cuda_ridge": cuda_ridge, "cuda_fma": cuda_ridge / 2,
               "aot": aot, "by_arch": by_arch,
               "fp8_whole": whole["bf16"] / whole["fp8_e4m3"], "int4_whole": whole["bf16"] / whole["int4"],
               "context": CH3_CONTEXT, "dec": dec, "lo": int(lo), "hi": int(hi), "tile": dec["tile_tokens"],
