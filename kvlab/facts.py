@@ -146,6 +146,7 @@ def _lists(sweep, stage: str) -> dict:
         "trap": [f for f, r in by.items() if r["trap"]], "trap_md": names_md([f for f, r in by.items() if r["trap"]]),
         "flips": [f for f, at in fell.items() if any(n not in at for n in lengths if n > at[0])],
         "ref": {n: sweep.counts("filler" if stage == "cached" else stage, "fp32", n) for n in lengths},
+        "cell": {(r["kv_format"], r["length"]): r for r in sweep.table(stage)},  # rate, lost, gained, p, verdict
     }
 
 
@@ -433,12 +434,39 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["mitigations_md"] = _mitigations_md(m)
         m["head_dim"] = CH4_HEAD_DIM.get(model)
         m["per_scale"] = {f: values_per_scale(f, m["head_dim"]) for f in CH4_FIGURE if m["head_dim"]}
+    for key in keys:  # what each model's longest length shows, and whether any loss grows steadily with length
+        m = values[key]
+        L, cell = m["longest"], m["cell"]
+        m["worse_at_longest"] = [f for f in m["by"] if cell.get((f, L), {}).get("verdict") == "worse"]
+        m["worse_at_longest_md"] = names_md(m["worse_at_longest"])
+        m["ref_longest"] = m["ref"][L]
+        m["lost_gained"] = {f: [(cell[f, n]["lost"], cell[f, n]["gained"]) for n in m["lengths"] if (f, n) in cell]
+                            for f in m["by"]}
+        m["steady"] = [f for f, lg in m["lost_gained"].items()
+                       if len(lg) > 2 and all(a[0] < b[0] for a, b in zip(lg, lg[1:])) and lg[-1][0] > lg[-1][1]]
+        m["flipped_at_longest"] = [f for f in m["by"] if (f, L) in cell and cell[f, L]["gained"] >= 2]
+        m["flipped_at_longest_md"] = names_md(m["flipped_at_longest"])
+        m["int4_at"] = ", ".join(_k(n) for n in m["by"]["int4"]["worse_at"]) or "no length" if "int4" in m["by"] else "—"
     values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
 
     caught = values["refuse_to_skip"].pop("caught")
     values["caught"] = caught
-    claims = {
+    G, S = values.get("G"), values.get("S")
+    values["smollm2_md"] = "" if S is None else ""  # filled below once SmolLM2's sweep is read
+    g_claims = {} if G is None else {
+        "on Gemma q4_0 and int4_g16 are never worse": _claim({"q4_0", "int4_g16"} <= set(G["never"]), G["never"]),
+        "on Gemma int4 passes the short needle and is worse at a longer length": _claim("int4" in G["later"], G["later"]),
+        "on Gemma int4_token is worse at every length": _claim(G["by"]["int4_token"]["worse_at"] == G["lengths"],
+                                                               G["by"]["int4_token"]["worse_at"]),
+        "on Gemma full precision finds fewer needles at the longest length than at any shorter one":
+            _claim(all(G["ref_longest"][0] / G["ref_longest"][1] < c / t for n, (c, t) in G["ref"].items()
+                       if n != G["longest"]), G["ref"]),
+        "at Gemma's longest length some formats find needles full precision missed": _claim(bool(G["flipped_at_longest"])),
+    }
+    steady_claim = {"on neither model does a format's loss grow steadily with length":
+                    _claim(all(not values[k]["steady"] for k in keys), {k: values[k]["steady"] for k in keys})}
+    claims = g_claims | steady_claim | {
         "every model's sweep ran at least 25 identical prompts a point":
             _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),
                    {k: values[CH4_KEYS.get(k, k)]["prompts_all"] for k in sweeps}),
