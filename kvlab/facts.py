@@ -617,10 +617,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     """
     from . import budget as B
     from . import decide
-    from .results import counts, load_sweep, wilson
+    from .results import LONG_SWEEPS, LongSweep, counts, load_sweep, wilson
 
     sweep = sweep if sweep is not None else load_sweep()
     per_point = {counts(sweep["formats"][f]["passkey"], length=n)[1] for f in sweep["formats"] for n in sweep["lengths"]}
+    gemma = _model_facts(LongSweep.load(LONG_SWEEPS["gemma3-270m"]))  # chapter 4's long-context model
     rows = decide.options(model, gpu, context, concurrency, weights_dtype=weights, formats=formats, sweep=sweep)
     by = {r["kv_format"]: r for r in rows}
     bf, f8, i4 = by["bf16"], by["fp8_e4m3"], by["int4"]
@@ -657,6 +658,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "int4_over_fp8": i4["max_concurrency"] / f8["max_concurrency"], "short1_speedup": short1["bf16"] / short1["int4"],
         "short1": short1, "int4_tensor_at_L": q["int4_tensor"]["exact_match"][L], "lengths_text": ", ".join(f"{n:,}" for n in sweep["lengths"][:-1]) + f" and {L:,}",
         "prompts_per_point": next(iter(per_point)) if len(per_point) == 1 else None,
+        "g": gemma, "g_never_md": names_md([f for f in gemma["never"] if f in CH6_FORMATS or f in ("q8_0", "int4_g16")]),
+        "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
     }
     claims = {
         "BF16 cannot hold the requested load on one GPU": _claim(not bf["fits"]),
@@ -682,7 +685,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "INT4 per token costs perplexity that FP8 does not (over 10x)":
             _claim(q["int4"]["ppl_increase"] > 10 * max(q["fp8_e4m3"]["ppl_increase"], 1e-3),
                    (q["int4"]["ppl_increase"], q["fp8_e4m3"]["ppl_increase"])),
-        "the longest context measured is below the context asked about": _claim(L < context, (L, context)),
+        "the longest context SmolLM2 was measured at is below the context asked about": _claim(L < context, (L, context)),
+        "chapter 4 measured Gemma up to the context asked about": _claim(values["covers_context"], gemma["longest"]),
+        "on Gemma FP8 and INT8 were never worse than full precision": _claim({"fp8_e4m3", "int8"} <= set(gemma["never"])),
+        "on Gemma per-token INT4 was already worse at the shortest length": _claim("int4_token" in gemma["short"]),
         "at 50 prompts a server the 95% interval is about ±13 points": _claim(12 < values["half_width"] < 14, (lo, hi)),
         "at one 4k sequence INT4 speeds a step up by less than 10%": _claim(values["short1_speedup"] < 1.1, short1),
         "chapter 4 ran the same number of prompts at every point": _claim(values["prompts_per_point"] is not None, per_point),
