@@ -147,6 +147,7 @@ def _lists(sweep, stage: str) -> dict:
         "flips": [f for f, at in fell.items() if any(n not in at for n in lengths if n > at[0])],
         "ref": {n: sweep.counts("filler" if stage == "cached" else stage, "fp32", n) for n in lengths},
         "cell": {(r["kv_format"], r["length"]): r for r in sweep.table(stage)},  # rate, lost, gained, p, verdict
+        "c": {f"{r['kv_format']} {r['length']}": r for r in sweep.table(stage)},  # the same, for templates: {G[c][int4 1024]}
     }
 
 
@@ -174,6 +175,7 @@ def _model_facts(sweep) -> dict:
 
 
 CH4_HEAD_DIM = {"smollm2-135m": 64, "gemma3-270m": 256}
+CH4_COMMON_LONGEST = 8192  # both models are swept to here (SmolLM2's window)
 CH4_MITIGATIONS = {"int4_token+sinks4": "int4_token", "int4_token+residual128": "int4_token",
                    "int4_token+rotate": "int4_token", "int4_tensor+rotate": "int4_tensor", "kivi-2+rotate": "kivi-2",
                    "int4_g16": "int4", "int4_token@global": "int4_token", "int4_token@sliding": "int4_token"}
@@ -442,8 +444,21 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["ref_longest"] = m["ref"][L]
         m["lost_gained"] = {f: [(cell[f, n]["lost"], cell[f, n]["gained"]) for n in m["lengths"] if (f, n) in cell]
                             for f in m["by"]}
-        m["steady"] = [f for f, lg in m["lost_gained"].items()
-                       if len(lg) > 2 and all(a[0] < b[0] for a, b in zip(lg, lg[1:])) and lg[-1][0] > lg[-1][1]]
+        # the share of full precision's correct answers a format lost, by length (lost is bounded by what
+        # full precision got right, which falls at the window's end)
+        m["lost_share"] = {f: [cell[f, n]["lost"] / max(1, m["ref"][n][0]) for n in m["lengths"] if (f, n) in cell]
+                           for f in m["by"]}
+        upto = [n for n in m["lengths"] if n <= CH4_COMMON_LONGEST]
+
+        def rises(xs):
+            return len(xs) > 2 and all(a < b for a, b in zip(xs, xs[1:]))
+
+        m["grows_common"] = [f for f, xs in m["lost_share"].items() if rises(xs[:len(upto)])]
+        m["grows_all"] = [f for f, xs in m["lost_share"].items() if rises(xs)]
+        m["grows_common_md"] = ", ".join(
+            f"`{f}` ({', '.join(f'{x:.0%}' for x in m['lost_share'][f][:len(upto)])})" for f in m["grows_common"]) or "none"
+        m["grows_all_md"] = names_md(m["grows_all"])
+        m["common_longest_k"] = _k(upto[-1])
         m["flipped_at_longest"] = [f for f in m["by"] if (f, L) in cell and cell[f, L]["gained"] >= 2]
         m["flipped_at_longest_md"] = names_md(m["flipped_at_longest"])
         m["int4_at"] = ", ".join(_k(n) for n in m["by"]["int4"]["worse_at"]) or "no length" if "int4" in m["by"] else "—"
@@ -463,9 +478,16 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(all(G["ref_longest"][0] / G["ref_longest"][1] < c / t for n, (c, t) in G["ref"].items()
                        if n != G["longest"]), G["ref"]),
         "at Gemma's longest length some formats find needles full precision missed": _claim(bool(G["flipped_at_longest"])),
+        "on Gemma the residual window's, the rotated per-tensor format's and the global-only mix's losses grow to 8k":
+            _claim({"int4_token+residual128", "int4_tensor+rotate", "int4_token@global"} <= set(G["grows_common"]),
+                   G["grows_common"]),
+        "on Gemma rotation lifts per-tensor INT4 at the shortest length":
+            _claim(G["cell"]["int4_tensor+rotate", G["lengths"][0]]["correct"]
+                   > G["cell"]["int4_tensor", G["lengths"][0]]["correct"] + 10),
     }
-    steady_claim = {"on neither model does a format's loss grow steadily with length":
-                    _claim(all(not values[k]["steady"] for k in keys), {k: values[k]["steady"] for k in keys})}
+    steady_claim = {"the loss grows with length for only a few formats on each model":
+                    _claim(all(len(values[k]["grows_common"]) <= len(values[k]["by"]) // 3 for k in keys),
+                           {k: values[k]["grows_common"] for k in keys})}
     claims = g_claims | steady_claim | {
         "every model's sweep ran at least 25 identical prompts a point":
             _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),
