@@ -67,3 +67,26 @@ def show(chapter: str, section: str, facts) -> None:
     if check is not None:
         check()
     display(Markdown(render(chapter, section, facts)))
+
+
+def question(chapter: str, name: str, facts, answer: str, folder: Path | None = None) -> dict:
+    """A multiple-choice question written in a chapter's prose file, for :class:`kvlab.check.MultipleChoice`.
+
+    Section ``name`` is the question; each section ``name-KEY`` is one option: its first line (after
+    ``OPTION:``) is the option's text, the rest the feedback shown when it is picked. ``answer`` is the
+    KEY of the right option (computed from the data by the chapter's facts).
+    """
+    temps = sections(chapter, folder)
+    opts = {k[len(name) + 1:]: render(chapter, k, facts, folder) for k in temps if k.startswith(name + "-")}
+    if answer not in opts:
+        raise KeyError(f"{chapter}.md has no option {name}-{answer} (it has {', '.join(opts) or 'none'})")
+    choices, right = {}, None
+    for key, text in opts.items():
+        first, _, rest = text.partition("\n")
+        if not first.startswith("OPTION:"):
+            raise ValueError(f"{chapter}.md, section {name}-{key}: the first line must start with 'OPTION:'")
+        option = first[len("OPTION:"):].strip()
+        choices[option] = rest.strip()
+        if key == answer:
+            right = option
+    return {"question": render(chapter, name, facts, folder), "choices": choices, "answer": right}
