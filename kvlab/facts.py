@@ -175,6 +175,8 @@ def _model_facts(sweep) -> dict:
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
         "bits": {n: d.get("bits_per_element") for n, d in sweep.header["formats"].items()},
+        "never_low_md": names_md([n for n in f["never"] if _low_bit(n)]),
+        "never_8bit_md": names_md([n for n in f["never"] if not _low_bit(n)]),
     }
 
 
