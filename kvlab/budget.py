@@ -493,15 +493,25 @@ def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dt
     if f.free_for_cache_per_gpu <= 0:
         return 0
 
-    def fits(t):
+    fmt = get_format(kv_format)
+    # A format that quantizes whole groups of tokens (KIVI's keys) holds a group in full precision until it
+    # fills, so its bytes fall a little when a group closes: they grow only across whole groups. A sequence
+    # must fit at every length it passes through, so test every length of the group that ends at t.
+    period = max((q.group_size for q in (fmt.key, fmt.value)
+                  if q.granularity == "group" and q.group_axis == "token"), default=1)
+
+    def fits_one(t):
         return budget(model, batch, t, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu <= f.free_for_cache_per_gpu
+
+    def fits(t):  # every length from t - period + 1 to t fits; monotone in t, so bisection is sound
+        return all(fits_one(s) for s in range(max(0, t - period + 1), t + 1))
 
     if not fits(0):
         return 0
     lo, hi = 0, limit
     if fits(hi):
         return hi
-    while hi - lo > 1:  # cache bytes never shrink as context grows, so bisect
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo

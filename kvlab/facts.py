@@ -455,7 +455,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
 
-    G, S = values.get("G"), values.get("S")
+    G = values.get("G")
     g_claims = {} if G is None else {
         "on Gemma q4_0 and int4_g16 are never worse": _claim({"q4_0", "int4_g16"} <= set(G["never"]), G["never"]),
         "on Gemma int4 passes the short needle and is worse at a longer length": _claim("int4" in G["later"], G["later"]),

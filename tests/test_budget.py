@@ -351,3 +351,18 @@ def test_budget_and_serve_sim_on_presets_import_no_model_stack():
             "print('LOADED', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "LOADED []"
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["kivi-2", "kivi-4", "int4", "fp8"]), st.integers(1, 64), st.sampled_from(["L4", "A100-80GB"]))
+def test_max_context_fits_at_every_length_on_the_way(fmt, batch, gpu):
+    """A sequence passes through every length up to its context: each must fit, and one more token must not
+    (for KIVI, whose bytes dip when a token group closes, the whole group that ends there)."""
+    t = B.max_context("llama-3.1-8b", batch, fmt, gpu)
+    free = B.fit("llama-3.1-8b", gpu).free_for_cache_per_gpu
+    if t == 0:
+        return
+    assert all(B.budget("llama-3.1-8b", batch, s, fmt).cache_bytes <= free for s in range(max(0, t - 64), t + 1))
+    k = get_format(fmt).key
+    group = k.group_size if k.granularity == "group" and k.group_axis == "token" else 1
+    assert any(B.budget("llama-3.1-8b", batch, s, fmt).cache_bytes > free for s in range(t + 1, t + 1 + group))
