@@ -19,11 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab.env import cpu_model
+from kvlab.paths import RESULTS_DIR, out_problem, write_json
 
-from kvlab.env import cpu_model  # noqa: E402
-from kvlab.paths import RESULTS_DIR, out_problem, write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = {
     "python -c pass (floor)": ["-c", "pass"],

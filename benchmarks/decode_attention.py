@@ -23,7 +23,6 @@ import datetime as dt
 import json
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -136,5 +135,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    main()
+        main()

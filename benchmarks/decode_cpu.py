@@ -21,24 +21,21 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from kvlab.kernels.reference import attend_tiles
+from transformers import DynamicCache
+
+from kvlab.cache import KVQuantCache
+from kvlab.env import cpu_model
+from kvlab.formats import format_names, get_format
+from kvlab.fusion import peak_memory
+from kvlab.models import DATA_DIR, load_model
+from kvlab.paths import out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kvlab.kernels.reference import attend_tiles  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-
-from kvlab.cache import KVQuantCache  # noqa: E402
-from kvlab.env import cpu_model  # noqa: E402
-from kvlab.formats import format_names, get_format  # noqa: E402
-from kvlab.fusion import peak_memory  # noqa: E402
-from kvlab.models import DATA_DIR, load_model  # noqa: E402
-from kvlab.paths import out_problem, write_json  # noqa: E402
 
 OUT = DATA_DIR / "results" / "decode_cpu.json"
 TILE = attend_tiles.__kwdefaults__["block"]

@@ -15,16 +15,14 @@ import datetime as dt
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab import serving as S
+from kvlab.env import cpu_model
+from kvlab.paths import out_problem
 
-from kvlab import serving as S  # noqa: E402
-from kvlab.env import cpu_model  # noqa: E402
-from kvlab.paths import out_problem  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None):

@@ -19,19 +19,17 @@ import argparse
 import datetime as dt
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab import evals
+from kvlab.env import cpu_model
+from kvlab.models import load_model
+from kvlab.paths import out_problem
 
-from kvlab import evals  # noqa: E402
-from kvlab.env import cpu_model  # noqa: E402
-from kvlab.models import load_model  # noqa: E402
-from kvlab.paths import out_problem  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TEN = ["fp32", "bf16", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "q4_0", "kivi-4", "kivi-2"]
 

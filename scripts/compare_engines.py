@@ -37,15 +37,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from kvlab import engines
+from kvlab.env import cpu_model
+from kvlab.models import load_model
+from kvlab.paths import RESULTS_DIR, out_problem, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from kvlab import engines  # noqa: E402
-from kvlab.env import cpu_model  # noqa: E402
-from kvlab.models import load_model  # noqa: E402
-from kvlab.paths import RESULTS_DIR, out_problem, write_json  # noqa: E402
 
 
 def main(argv=None) -> dict:

@@ -13,17 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab import evals, results
+from kvlab.models import MODEL_DIR, load_model
 
-from kvlab import evals, results  # noqa: E402
-from kvlab.models import MODEL_DIR, load_model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEPTHS = [i / 10 for i in range(11)]
 

@@ -11,13 +11,9 @@ regenerating a sweep and rerunning this keeps the cards true.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kvlab.models import (  # noqa: E402
+from kvlab.models import (
     GEMMA3_CARD_DIR,
     GEMMA3_WHEEL,
     SMOLLM2_CARD_DIR,
@@ -26,7 +22,9 @@ from kvlab.models import (  # noqa: E402
     gemma3_folder,
     smollm2_folder,
 )
-from kvlab.results import LongSweep, counts, wilson  # noqa: E402
+from kvlab.results import LongSweep, counts, wilson
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def table(rows: list[dict]) -> str:

@@ -23,21 +23,19 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab import evals
+from kvlab.env import cpu_model
+from kvlab.formats import KVFormat, format_names, get_format, mitigations
+from kvlab.models import DEFAULT_MODEL, load_model
+from kvlab.paths import out_problem
 
-from kvlab import evals  # noqa: E402
-from kvlab.env import cpu_model  # noqa: E402
-from kvlab.formats import KVFormat, format_names, get_format, mitigations  # noqa: E402
-from kvlab.models import DEFAULT_MODEL, load_model  # noqa: E402
-from kvlab.paths import out_problem  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CORE = ["fp32", "fp8_e4m3", "int8", "int4_tensor", "int4_token", "int4", "q4_0", "kivi-2"]
 # formats swept with the prompt's own attention reading the quantized cache (vLLM's and llama.cpp's prefill)

@@ -29,14 +29,12 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab.paths import out_problem
 
-from kvlab.paths import out_problem  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 LENGTHS = [1024, 4096, 8192, 32768, 16384]  # 32k before 16k: the headline first

@@ -34,17 +34,15 @@ import math
 import platform
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvlab import tasks
 
-from kvlab import tasks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # (sequence length, batch size, steps) per stage; tokens per step stay about 8-16k.
 # The first stage runs until passkey@128 reaches STAGE1_TARGET (checked every 100 steps) or its step
