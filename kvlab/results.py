@@ -208,8 +208,14 @@ class LongSweep:
                 "increase": ppl / ref - 1, "worse_windows": worse, "better_windows": better,
                 "p": mcnemar(worse, better), "verdict": verdict(worse, better)}
 
-    def lengths(self, stage: str = "filler") -> list[int]:
-        return sorted({r["length"] for r in self.records if r["stage"] == stage})
+    def lengths(self, stage: str = "filler", complete: bool = True) -> list[int]:
+        """The lengths measured in ``stage``; by default only those with every prompt of the design (a length
+        still being swept is left out until it is whole: its prompts are not a sample of every depth yet)."""
+        found = sorted({r["length"] for r in self.records if r["stage"] == stage})
+        want = len(self.header.get("depths") or []) * (self.header.get("per_depth") or 0)
+        if not complete or not want:
+            return found
+        return [n for n in found if len(self._by_prompt(stage, n)) >= want]
 
     def _by_prompt(self, stage: str, length: int) -> dict[tuple, dict]:
         if stage not in STAGES:

@@ -85,6 +85,15 @@ def _ppl(i, tokens=10, **nll):
     return {"stage": "perplexity", "length": tokens + 1, "depth": 0.0, "index": i, "tokens": tokens, "nll": nll}
 
 
+def test_a_length_still_being_swept_is_left_out_until_whole(tmp_path):
+    header = {"kind": "header", "model": "m", "formats": {"fp32": {}, "int4": {}}, "depths": [0.0, 1.0], "per_depth": 2}
+    recs = [_rec("filler", 1024, d, i, fp32=True, int4=True) for d in (0.0, 1.0) for i in range(2)]
+    recs += [_rec("filler", 4096, 0.0, i, fp32=True, int4=False) for i in range(2)]  # half of 4096 so far
+    s = R.LongSweep.load(_write(tmp_path, recs, header))
+    assert s.lengths("filler") == [1024] and s.lengths("filler", complete=False) == [1024, 4096]
+    assert [r["length"] for r in s.table("filler")] == [1024, 1024]
+
+
 def test_perplexity_windows_are_paired_by_the_same_rule(tmp_path):
     recs = [_ppl(i, fp32=20.0, int4=21.0 + (i == 0) * -2) for i in range(8)]  # worse on 7 windows, better on 1
     s = R.LongSweep.load(_write(tmp_path, recs))
