@@ -491,10 +491,20 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "on Gemma every mitigation costs more than the perplexity tolerance":
             _claim(all(not G["by"][f]["ppl_ok"] for f in CH4_MITIGATIONS if f in G["by"])),
     }
+    S = values.get("S")
+    both = [m for m in (G, S) if m is not None]
+    both_claims = {
+        "FP8, INT8 and q8_0 were never worse on either model":
+            _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
+        "one scale per tensor was worse on both models": _claim(all(m["by"]["int4_tensor"]["worse_at"] for m in both)),
+        "no format is trapped on either model": _claim(all(not m["trap"] for m in both), {m["name"]: m["trap"] for m in both}),
+        "both models were swept to at least 8k": _claim(all(m["longest"] >= CH4_COMMON_LONGEST for m in both),
+                                                        {m["name"]: m["longest"] for m in both}),
+    }
     steady_claim = {"the loss grows with length for only a few formats on each model":
                     _claim(all(len(values[k]["grows_common"]) <= len(values[k]["by"]) // 3 for k in keys),
                            {k: values[k]["grows_common"] for k in keys})}
-    claims = g_claims | trap_claims | steady_claim | {
+    claims = g_claims | trap_claims | both_claims | steady_claim | {
         "every model's sweep ran at least 25 identical prompts a point":
             _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),
                    {k: values[CH4_KEYS.get(k, k)]["prompts_all"] for k in sweeps}),
