@@ -734,5 +734,5 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     return Facts(values, claims)
 
 
-CHAPTERS: dict[str, Callable[[], Facts]] = {"03_triton_attention": triton_attention,
+CHAPTERS: dict[str, Callable[[], Facts]] = {"03_triton_attention": triton_attention, "04_where_int4_breaks": where_int4_breaks,
                                             "05_prefix_cache": prefix_cache, "06_choosing_a_format": choosing_a_format}
