@@ -300,6 +300,19 @@ def _smollm2_ladder() -> tuple[dict, dict]:
         "the teacher rung is 2 golden prompts, 16 new tokens each":
             _claim(len(E["fp32"]["teacher"]["first_divergence"]) == 2 and E["fp32"]["teacher"]["max_new_tokens"] == 16),
     }
+    # 4.3: the prose haystack in the ladder sweep (counts per cell: intervals, not paired verdicts)
+    P0, P = min(sweep["prose_lengths"]), max(sweep["prose_lengths"])
+    pr = {n: (E[n]["prose_result"].accuracy(P0), E[n]["prose_result"].accuracy(P)) for n in E if E[n]["prose_result"].rows}
+    fine = ["fp8_e4m3", "int8", "int4", "int4_token", "q4_0"]
+    v |= {"pr": pr, "P0": P0, "P": P, "pr_fine_lo": min(pr[n][1] for n in fine), "pr_fine_hi": max(pr[n][1] for n in fine)}
+    c |= {
+        "in SmolLM2's prose haystack full precision itself drops over 20 points with length":
+            _claim(pr["fp32"][1] < pr["fp32"][0] - 0.2, pr["fp32"]),
+        "FP8, INT8 and the finer INT4 formats stay within three prompts of full precision there":
+            _claim(all(abs(pr[n][1] - pr["fp32"][1]) <= 3 / n_cell for n in fine), {n: pr[n] for n in fine}),
+        "INT4 per tensor and KIVI-2 fall well below it": _claim(pr["int4_tensor"][1] < pr["fp32"][1] - 0.3
+                                                               and pr["kivi-2"][1] < pr["fp32"][1] - 0.2),
+    }
     # 4.4: the prompt reading the quantized cache, at 2048 tokens
     n_pf, order = 2048, ["fp8_e4m3", "int8", "q4_0", "int4", "int4_token", "kivi-2", "int4_tensor"]
     pf = {n: (counts(E[n]["passkey"], length=n_pf), counts(sweep["prefill_cached"][n], length=n_pf))
