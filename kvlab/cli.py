@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -242,6 +243,7 @@ def cmd_niah_endpoint(args) -> int:
         return 2
     out = Path(args.out or "kvlab-endpoints.json")
     journal = out.with_suffix(".requests.jsonl")
+    interrupted = False
     for path, flag in ((out, "--out"), (journal, "--out's journal")):
         if why := out_problem(path, flag):  # before any request: the answers must have somewhere to go
             print(f"kvlab: error: {why}", file=sys.stderr)
@@ -278,11 +280,19 @@ def cmd_niah_endpoint(args) -> int:
                     doc["perplexity"][e.url] = None
                     doc["perplexity_errors"][e.url] = str(err)
                     print(f"kvlab: warning: perplexity: {err}", file=sys.stderr)
+                except KeyboardInterrupt:  # the ladder's result is whole: write it, without this rung
+                    doc["perplexity"][e.url] = None
+                    doc["perplexity_errors"][e.url] = "interrupted"
+                    interrupted = True
+                    break
     except (ValueError, E.EndpointError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     except E.Interrupted as e:
         print(f"kvlab: {e}", file=sys.stderr)
+        if getattr(e, "forced", False):  # a second Ctrl-C: do not wait for requests still in flight
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     doc["settings"] = {k: getattr(args, k) for k in ("task", "lengths", "depths", "trials", "seed", "hops",
                                                      "haystack", "max_tokens", "top_logprobs", "concurrency")}
@@ -305,6 +315,9 @@ def cmd_niah_endpoint(args) -> int:
         if off is not None and off > E.LENGTH_TOLERANCE:
             print(f"kvlab: warning: {url} counted prompts up to {off} tokens away from their intended length; "
                   "check that --tokenizer is the served model's", file=sys.stderr)
+    if interrupted:
+        print(f"kvlab: interrupted during the perplexity rung; wrote the ladder to {out}", file=sys.stderr)
+        return 130
     return 1 if failed else 0
 
 

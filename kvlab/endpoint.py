@@ -25,7 +25,9 @@ import hashlib
 import itertools
 import json
 import math
+import re
 import statistics
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
 from dataclasses import asdict, dataclass
@@ -56,6 +58,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 IDENTITY_FIELDS = ("root", "max_model_len", "kv_format", "kv_cache_dtype")
+MAX_ANSWER_BYTES = 64 << 20  # decoded: a gzip bomb stops here
+MAX_TIMEOUT_S = 86_400.0
 LENGTH_TOLERANCE = 2  # tokens a server may count beyond the intended prompt length (BOS, a merge at the seam)
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for a zero probability; strict JSON has no -Infinity
 
@@ -78,7 +82,14 @@ def base_url(url: str) -> str:
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[:-3]
-    return f"{parts.scheme}://{parts.netloc}{path}"
+    out = f"{parts.scheme}://{parts.netloc}{path}"
+    try:
+        import httpx
+
+        httpx.URL(out)
+    except Exception as e:  # noqa: BLE001 - httpx.InvalidURL and its relatives: the URL cannot be requested
+        raise ValueError(f"endpoint URL {url!r} is not a valid URL: {e}") from None
+    return out
 
 
 @dataclass
@@ -97,8 +108,9 @@ class Endpoint:
         for name, positive in (("timeout", True), ("backoff", False)):
             v = getattr(self, name)
             ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
-            if not ok or v < 0 or (positive and v == 0):
-                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+            if not ok or v < 0 or (positive and v == 0) or v > MAX_TIMEOUT_S:
+                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} and at most "
+                                 f"{MAX_TIMEOUT_S:g} s, got {v!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {self.retries!r}")
         self._client = None
@@ -107,12 +119,16 @@ class Endpoint:
     def client(self):
         import httpx
 
+        if getattr(self, "_closed", False):
+            raise EndpointError(f"{self.url}: the client was closed (interrupted)")
         if self._client is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self._client = httpx.Client(timeout=self.timeout, headers=headers, follow_redirects=False)
         return self._client
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
+        """Close the connections; ``final``: refuse any further request (a retry in flight stops too)."""
+        self._closed = getattr(self, "_closed", False) or final
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -129,15 +145,8 @@ class Endpoint:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), 30.0))
-            deadline = time.monotonic() + self.timeout
             try:
-                with self.client.stream(method, url, json=body) as r:
-                    chunks = []
-                    for chunk in r.iter_bytes():
-                        chunks.append(chunk)
-                        if time.monotonic() > deadline:
-                            raise httpx.ReadTimeout("the answer took longer than the timeout")
-                    content = b"".join(chunks)
+                r, content = self._bounded(method, url, body)
             except httpx.TimeoutException:
                 last = f"no answer within {self.timeout:g} s"
                 continue
@@ -150,7 +159,7 @@ class Endpoint:
             if r.status_code == 429 or r.status_code >= 500:
                 last = f"HTTP {r.status_code}: {_server_message(content)}"
                 retry_after = r.headers.get("Retry-After", "")
-                if retry_after.isdigit() and attempt < self.retries:
+                if re.fullmatch(r"[0-9]{1,4}", retry_after) and attempt < self.retries:
                     time.sleep(min(float(retry_after), 30.0))
                 continue
             if r.status_code >= 400:
@@ -162,6 +171,41 @@ class Endpoint:
                 raise EndpointError(f"{url} answered with JSON that is not an object: {str(doc)[:200]}")
             return doc
         raise EndpointError(f"{url}: gave up after {self.retries + 1} tries; last: {last}")
+
+    def _bounded(self, method: str, url: str, body):
+        """One request, status line to last byte, within ``timeout`` seconds and :data:`MAX_ANSWER_BYTES`.
+
+        It runs in a daemon thread: a server that drips its headers (or sends ``100 Continue`` for ever)
+        is abandoned at the deadline, and Ctrl-C or the end of the program never waits for it.
+        """
+        import httpx
+
+        out: list = []
+        deadline = time.monotonic() + self.timeout
+
+        def go():
+            try:
+                with self.client.stream(method, url, json=body) as r:
+                    chunks, size = [], 0
+                    for chunk in r.iter_bytes():
+                        size += len(chunk)
+                        if size > MAX_ANSWER_BYTES:
+                            raise EndpointError(f"{url} answered more than {MAX_ANSWER_BYTES >> 20} MiB; not an answer")
+                        chunks.append(chunk)
+                        if time.monotonic() > deadline:
+                            raise httpx.ReadTimeout("the answer took longer than the timeout")
+                    out.append((r, b"".join(chunks)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                out.append(e)
+
+        t = threading.Thread(target=go, daemon=True, name="kvlab-request")
+        t.start()
+        t.join(self.timeout + 0.5)
+        if not out:
+            raise httpx.ReadTimeout("no complete answer within the timeout")
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
 
     def models(self) -> list[str]:
         """The model ids the server lists (``GET /v1/models``)."""
@@ -215,7 +259,7 @@ class Endpoint:
                                 f"{json.dumps(doc)[:200]}") from None
         usage = doc.get("usage")
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        if isinstance(counted, bool) or not isinstance(counted, int) or counted < 0:
+        if isinstance(counted, bool) or not isinstance(counted, int) or not 0 <= counted <= 1 << 30:
             counted = None  # a server that does not count, or counts in a shape we cannot read: not compared
         out = {"text": text, "prompt_tokens": counted}
         if logprobs is not None:
@@ -240,9 +284,9 @@ class Endpoint:
 def _finite_logprob(x, where: str) -> float:
     """A log-probability as a finite float: -inf (a zero probability) becomes :data:`LOGPROB_FLOOR`, as vLLM
     reports it; NaN, a positive value or a non-number is the server's error and says so."""
-    if isinstance(x, bool) or not isinstance(x, int | float) or math.isnan(x) or x > 1e-6:
-        raise EndpointError(f"{where}: a log-probability must be a number <= 0, got {x!r}")
-    return max(float(x), LOGPROB_FLOOR)
+    if isinstance(x, bool) or not isinstance(x, int | float) or (isinstance(x, float) and math.isnan(x)) or x > 1e-6:
+        raise EndpointError(f"{where}: a log-probability must be a number <= 0, got {str(x)[:40]}")
+    return LOGPROB_FLOOR if x < LOGPROB_FLOOR else float(x)  # (an integer of 400 digits never reaches float())
 
 
 def _top_dict(entry, where: str) -> dict[str, float] | None:
@@ -259,6 +303,10 @@ def _top_dict(entry, where: str) -> dict[str, float] | None:
     if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry):
         raise EndpointError(f"{where}: top_logprobs entries must map tokens to log-probabilities, got {str(entry)[:120]}")
     return {k: _finite_logprob(v, where) for k, v in entry.items()}
+
+
+def _strict_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")
 
 
 def _json_or_none(content: bytes):
@@ -341,9 +389,9 @@ def _journal(path: Path, settings: dict[str, dict]) -> dict[tuple[str, str], dic
         return done
     for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         try:
-            r = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by an interrupted write
+            r = json.loads(line, parse_constant=_strict_constant)
+        except (ValueError, RecursionError):
+            continue  # a line cut short by an interrupted write, or not strict JSON: ask again
         if not isinstance(r, dict) or r.get("error") or not isinstance(r.get("key"), str):
             continue
         url = r.get("endpoint")
@@ -436,9 +484,14 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
                     write(fut.result())
             except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, and cut the requests in flight
                 for ep in endpoints:
-                    ep.close()
+                    ep.close(final=True)
+                forced = True
+            else:
+                forced = False
             pool.shutdown(wait=False, cancel_futures=True)
-            raise Interrupted(kept, len(todo) - kept, journal) from None
+            err = Interrupted(kept, len(todo) - kept, journal)
+            err.forced = forced
+            raise err from None
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
     return [done[ep.url, p.key] for ep in endpoints for p in prompts if (ep.url, p.key) in done]

@@ -131,10 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _too_slow(self):
         if not self.read_done:
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self._shut()
 
     def _method_not_allowed(self):
         self._error(405, f"{self.command} is not supported; use GET or POST")
@@ -151,11 +148,24 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, doc: dict):
         data = json.dumps(doc, allow_nan=False).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        # a client that reads its answer a trickle at a time is cut off like one that drips its request
+        guard = threading.Timer(REQUEST_DEADLINE_S, self._shut)
+        guard.daemon = True
+        guard.start()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        finally:
+            guard.cancel()
+
+    def _shut(self):
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _error(self, status: int, message: str):
         kind = "invalid_request_error" if status < 500 else "server_error"

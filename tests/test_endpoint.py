@@ -505,3 +505,69 @@ def test_lengths_past_the_servers_window_and_bad_outs_are_refused_up_front(stub,
     assert main(["niah", "--endpoint", s.url, "--lengths", "256", "--out", " "]) == 2
     with pytest.raises(SystemExit):
         main(["niah", "--endpoint", s.url, "--lengths", "100000000"])
+
+
+@pytest.mark.parametrize("body", [
+    {"choices": [{"text": "1", "logprobs": {"tokens": ["1"], "token_logprobs": [-10**400], "top_logprobs": [{"1": -10**400}]}}]},
+])
+def test_a_log_probability_too_large_for_a_float_is_floored(stub, body):
+    s = stub(lambda n: (200, json.dumps(body).encode()))
+    out = E.Endpoint(s.url, retries=0).complete("p", logprobs=1)
+    assert out["token_logprobs"] == [E.LOGPROB_FLOOR] and out["top_logprobs"] == [{"1": E.LOGPROB_FLOOR}]
+
+
+def test_headers_dripped_for_ever_are_cut_off_at_the_timeout():
+    """A server that sends '100 Continue' every half second, for ever: --timeout bounds the whole request."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except TimeoutError:
+                continue
+            def drip(c=c):
+                try:
+                    while not stop.is_set():
+                        c.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                        time.sleep(0.5)
+                except OSError:
+                    pass
+            threading.Thread(target=drip, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        ep = E.Endpoint(f"http://127.0.0.1:{srv.getsockname()[1]}", model="m", timeout=1.5, retries=0)
+        t0 = time.time()
+        with pytest.raises(E.EndpointError, match="no answer within"):
+            ep.complete("p")
+        assert time.time() - t0 < 6
+    finally:
+        stop.set()
+        srv.close()
+
+
+def test_bad_urls_timeouts_and_retry_after_values_are_clear_errors(stub):
+    for url in ("http://\u0663.com", "http://127.0.0.1:1/x\x7f"):
+        with pytest.raises(ValueError, match="not a valid URL"):
+            E.Endpoint(url)
+    with pytest.raises(ValueError, match="at most"):
+        E.Endpoint("http://127.0.0.1:1", timeout=1e10)
+    s = stub(lambda n: (429, {"error": {"message": "slow down"}}))
+    s.httpd.RequestHandlerClass._answer_orig = s.httpd.RequestHandlerClass._answer
+
+    def answer(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Retry-After", "\u00b2")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    s.httpd.RequestHandlerClass._answer = answer
+    with pytest.raises(E.EndpointError, match="HTTP 429"):
+        E.Endpoint(s.url, model="stub", retries=1, backoff=0).complete("p")
