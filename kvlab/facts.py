@@ -454,11 +454,16 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         def rises(xs):
             return len(xs) > 2 and all(a < b for a, b in zip(xs, xs[1:]))
 
-        m["grows_common"] = [f for f, xs in m["lost_share"].items() if rises(xs[:len(upto)])]
-        m["grows_all"] = [f for f, xs in m["lost_share"].items() if rises(xs)]
+        # a loss that grows: a share that rises at every step and ends worse by the paired test (one lost prompt
+        # more or less is not growth)
+        m["grows_common"] = [f for f, xs in m["lost_share"].items()
+                             if rises(xs[:len(upto)]) and cell.get((f, upto[-1]), {}).get("verdict") == "worse"]
+        m["grows_all"] = [f for f, xs in m["lost_share"].items()
+                          if rises(xs) and cell.get((f, L), {}).get("verdict") == "worse"]
         m["grows_common_md"] = ", ".join(
             f"`{f}` ({', '.join(f'{x:.0%}' for x in m['lost_share'][f][:len(upto)])})" for f in m["grows_common"]) or "none"
         m["grows_all_md"] = names_md(m["grows_all"])
+        m["grows_names_md"] = names_md(m["grows_common"])
         m["common_longest_k"] = _k(upto[-1])
         m["status"] = {f: ("never worse" if not r["worse_at"] else
                            "worse at " + ", ".join(_k(n) for n in r["worse_at"])) for f, r in m["by"].items()}
@@ -511,6 +516,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
         "one scale per tensor was worse on both models": _claim(all(m["by"]["int4_tensor"]["worse_at"] for m in both)),
         "no format is trapped on either model": _claim(all(not m["trap"] for m in both), {m["name"]: m["trap"] for m in both}),
+        "one scale per token was worse from the shortest length on Gemma and never on SmolLM2":
+            _claim(G is None or S is None or ("int4_token" in G["short"] and not S["by"]["int4_token"]["worse_at"])),
         "both models were swept to at least 8k": _claim(all(m["longest"] >= CH4_COMMON_LONGEST for m in both),
                                                         {m["name"]: m["longest"] for m in both}),
     }
