@@ -192,6 +192,8 @@ def values_per_scale(fmt: str, head_dim: int) -> str:
     from .formats import get_format
 
     q = get_format(fmt.split("@")[0]).key
+    if q.is_passthrough:
+        return "—"
     if q.granularity == "tensor":
         return "all"
     if q.granularity == "token":
@@ -225,6 +227,23 @@ def _stage_md(models: list[dict], stage: str) -> str:
                      f"worse already at {st['shortest_k']}: {st['short_md']}; worse only at longer lengths: "
                      f"{st['later_md']}.")
     return "\n".join(lines)
+
+
+def _formats_md(fmts: list[str]) -> str:
+    """The formats of chapter 4 in one table: what shares a scale, at each model's head size, and the bits."""
+    from .formats import get_format
+
+    rows = []
+    for f in dict.fromkeys(fmts):
+        base = get_format(f.split("@")[0])
+        where = {"@global": "INT4 per token on the 3 global layers only, fp32 elsewhere",
+                 "@sliding": "INT4 per token on the 15 windowed layers only, fp32 elsewhere"}
+        note = next((v for k, v in where.items() if f.endswith(k)), base.source)
+        per = " / ".join(values_per_scale(f, hd) for hd in (64, 256))
+        bits = " / ".join(f"{base.bits_per_element(hd):.3g}" for hd in (64, 256)) if "@" not in f else "—"
+        rows.append(f"| `{f}` | {per} | {bits} | {note} |")
+    return ("| format | values sharing a scale (head_dim 64 / 256) | bits an element (64 / 256) | what it is |\n"
+            "|---|---|---|---|\n" + "\n".join(rows))
 
 
 def _low_bit(fmt: str) -> bool:
@@ -343,6 +362,15 @@ def _smollm2_ladder() -> tuple[dict, dict]:
             _claim(r["int4_token+rotate"]["ppl_increase"] < r["int4_token+sinks4"]["ppl_increase"] < r["int4_token"]["ppl_increase"]),
     }
     v |= {"kr": kr, "L_smol": max(sweep["lengths"])}
+    try:
+        from .results import LONG_SWEEPS, LongSweep
+
+        paired = LongSweep.load(LONG_SWEEPS["smollm2-135m"])
+        diffs = {f: abs(paired.paired_perplexity(f)["increase"] - lad[f]["ppl_increase"])
+                 for f in lad if f != "fp32" and f in paired.formats}
+        v["ppl_gap"] = max(diffs.values())
+    except (FileNotFoundError, KeyError):
+        v["ppl_gap"] = None
     # 4.7: what each rung misses
     kl_gain = lad["int4_token"]["kl"] / lad["int4_token+residual128"]["kl"]
     res_long, tok_long = lad["int4_token+residual128"]["needle_long"], lad["int4_token"]["needle_long"]
@@ -415,7 +443,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
 
 def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     """Chapter 4: which formats each model's paired long-context sweep finds worse than full precision, where."""
-    from .results import PPL_TOLERANCE, load_long_sweeps
+    from .results import PPL_TOLERANCE, fewest_prompts_to_detect, load_long_sweeps
 
     sweeps = sweeps if sweeps is not None else load_long_sweeps()
     values: dict = {"sweeps": sweeps, "ppl_tolerance": PPL_TOLERANCE, "figure_formats": CH4_FIGURE}
@@ -432,6 +460,12 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     ladder_values, ladder_claims = _smollm2_ladder()
     values |= ladder_values
     values["q"] = _refuse_to_skip([values[k] for k in keys])
+    held_low = [(values[k]["name"], f) for k in keys for f in values[k]["never"] if _low_bit(f)]
+    alarms = [(n, f) for n, f in held_low if not values[CH4_KEYS[next(m for m in sweeps if CH4_NAMES.get(m) == n)]]["by"][f]["ppl_ok"]]
+    values |= {"n_held_low": len(held_low), "n_alarms": len(alarms),
+               "alarms_md": "; ".join(f"`{f}` on {n}" for n, f in alarms) or "none",
+               "n_tests": sum(1 for k in keys for f, _ in values[k]["cell"] if f != "fp32"), "min_detect": fewest_prompts_to_detect()}
+    values["formats_md"] = _formats_md(values["figure_formats"] + list(CH4_MITIGATIONS))
     for model in sweeps:
         m = values[CH4_KEYS.get(model, model)]
         m["mitigations_md"] = _mitigations_md(m)
@@ -516,6 +550,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
         "one scale per tensor was worse on both models": _claim(all(m["by"]["int4_tensor"]["worse_at"] for m in both)),
         "no format is trapped on either model": _claim(all(not m["trap"] for m in both), {m["name"]: m["trap"] for m in both}),
+        "KIVI-2 was never worse on Gemma and worse at every length on SmolLM2; KIVI-4 never worse on either":
+            _claim(G is None or S is None or ("kivi-2" in G["never"] and S["by"]["kivi-2"]["worse_at"] == S["lengths"]
+                                              and "kivi-4" in G["never"] and "kivi-4" in S["never"])),
+        "rotation hurt KIVI-2 on Gemma and helped it on SmolLM2":
+            _claim(G is None or S is None or (len(S["by"]["kivi-2+rotate"]["worse_at"]) < len(S["by"]["kivi-2"]["worse_at"]))),
         "one scale per token was worse from the shortest length on Gemma and never on SmolLM2":
             _claim(G is None or S is None or ("int4_token" in G["short"] and not S["by"]["int4_token"]["worse_at"])),
         "both models were swept to at least 8k": _claim(all(m["longest"] >= CH4_COMMON_LONGEST for m in both),
