@@ -219,8 +219,12 @@ def _stage_md(models: list[dict], stage: str) -> str:
     for m in models:
         st = m[stage]
         if not st["measured"]:
-            lines.append(f"* **{m['name']}**: not measured in this stage yet (`scripts/sweep_long.py --model "
-                         f"{m['model']} --stages {stage}` adds it to the shipped sweep).")
+            from .results import LONG_SWEEPS
+
+            extra = "" if m["model"] == "gemma3-270m" else (
+                f" --lengths {' '.join(map(str, m['lengths']))} --out data/results/{LONG_SWEEPS[m['model']].name}")
+            lines.append(f"* **{m['name']}**: not measured in this stage yet (`python scripts/sweep_long.py --model "
+                         f"{m['model']} --stages {stage}{extra}` adds it to the shipped sweep).")
             continue
         ref = ", ".join(f"{c}/{t} at {_k(n)}" for n, (c, t) in st["ref"].items())
         lines.append(f"* **{m['name']}** ({st['lengths_text']}; full precision {ref}): never worse: {st['never_md']}; "
