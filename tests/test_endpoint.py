@@ -399,6 +399,7 @@ def test_cli_warns_when_the_server_counts_other_prompt_lengths(stub, tmp_path, c
     assert rc == 0 and "warning" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a subprocess that imports the model stack: 5 s of make quick's minute
 def test_ctrl_c_on_the_cli_exits_130_with_one_line(stub, tmp_path):
     import signal
     import subprocess
