@@ -352,7 +352,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
             _claim(all(acc[n][1] >= acc[n][0] - 0.1 for n in held), acc),
     }
     # 4.6: mitigations on SmolLM2
-    r, kr = lad, lad["kivi-2+rotate"]
+    r = lad
     c |= {
         "rotation lifts INT4 per tensor's short needle by 20+ points":
             _claim(r["int4_tensor+rotate"]["needle_short"] > r["int4_tensor"]["needle_short"] + 0.2),
@@ -365,7 +365,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
         "sinks help, less than rotation":
             _claim(r["int4_token+rotate"]["ppl_increase"] < r["int4_token+sinks4"]["ppl_increase"] < r["int4_token"]["ppl_increase"]),
     }
-    v |= {"kr": kr, "L_smol": max(sweep["lengths"])}
+    v |= {"L_smol": max(sweep["lengths"])}
     try:
         from .results import LONG_SWEEPS, LongSweep
 

@@ -268,28 +268,8 @@ class LongSweep:
         return None
 
     def figure(self, stage: str = "filler", formats: list[str] | None = None, reference: str = "fp32"):
-        """Exact match by context length, one line per format, 95% Wilson bars; a hollow marker where
-        the paired test finds the format worse than ``reference``."""
-        import plotly.graph_objects as go
-
-        fig = go.Figure()
-        for fmt in formats or self.formats:
-            rows = [r for r in self.table(stage, reference) if r["kv_format"] == fmt]
-            if not rows:
-                continue
-            fig.add_trace(go.Scatter(
-                x=[r["length"] for r in rows], y=[r["rate"] for r in rows], name=fmt, mode="lines+markers",
-                marker=dict(symbol=["circle-open" if r["verdict"] == "worse" else "circle" for r in rows], size=9),
-                error_y=dict(type="data", symmetric=False, array=[r["hi"] - r["rate"] for r in rows],
-                             arrayminus=[r["rate"] - r["lo"] for r in rows], thickness=1),
-                customdata=[[r["prompts"], r["verdict"], r["p"]] for r in rows],
-                hovertemplate="%{x} tokens: %{y:.0%} of %{customdata[0]} prompts<br>"
-                              "%{customdata[1]} (McNemar p=%{customdata[2]:.3f})<extra>" + fmt + "</extra>"))
-        fig.update_layout(xaxis=dict(type="log", title="context (tokens)"),
-                          yaxis=dict(title="passkey exact match", range=[-0.05, 1.05], tickformat=".0%"),
-                          title=f"{self.model}, {stage} haystack: hollow = worse than {reference} (paired, p < {ALPHA})",
-                          height=420, margin=dict(t=50, b=40), legend=dict(orientation="h", y=-0.2))
-        return fig
+        """Exact match by context length for this one model (:func:`figure_by_model` with one panel)."""
+        return figure_by_model({self.model: self}, formats or self.formats, stage, reference)
 
 
 def load_long_sweeps() -> dict[str, LongSweep]:
@@ -574,25 +554,6 @@ def cell_agreement(sweep: dict, reference: str = "fp32", tol: float = 0.25) -> f
     if not diffs:
         raise ValueError("the sweep has no passkey cells")
     return sum(d <= tol for d in diffs) / len(diffs)
-
-
-def trapped_formats(ladder_rows: list[dict], *, ppl_tol: float = 0.05, short_min: float = 0.9,
-                      long_drop: float = 0.2, reference: str = "fp32") -> list[str]:
-    """Formats that pass the cheap rungs but fail the long one: the trap a short eval cannot see.
-
-    A format qualifies when its perplexity is within ``ppl_tol`` (relative) of ``reference``, its
-    short needle exact match is at least ``short_min``, and its long-context exact match is at
-    least ``long_drop`` below the reference's.
-    """
-    for name, v in (("ppl_tol", ppl_tol), ("short_min", short_min), ("long_drop", long_drop)):
-        if not 0 <= v <= 1:
-            raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-    rows = {r["kv_format"]: r for r in ladder_rows}
-    if reference not in rows:
-        raise KeyError(f"reference format {reference!r} is not among the rows")
-    ref = rows[reference]["needle_long"]
-    return [n for n, r in rows.items() if r["ppl_increase"] <= ppl_tol and r["needle_short"] >= short_min
-            and r["needle_long"] <= ref - long_drop]
 
 
 def quality_by_length(sweep: dict, formats) -> dict[str, dict[int, float | None]]:

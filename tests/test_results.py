@@ -212,17 +212,6 @@ def test_load_sweep_errors(tmp_path):
         R.load_sweep(tmp_path / "bad.json")
 
 
-def test_trapped_formats_finds_the_trap(tmp_path):
-    rows = R.ladder(R.load_sweep(_fake_sweep(tmp_path)), short=512, long_min=2048)
-    assert R.trapped_formats(rows, ppl_tol=0.06) == ["int4"]  # +5% perplexity, 100% at 512, 25% vs 100% long
-    assert R.trapped_formats(rows, ppl_tol=0.01) == []
-    assert R.trapped_formats(rows, long_drop=0.8) == []
-    with pytest.raises(ValueError, match="ppl_tol"):
-        R.trapped_formats(rows, ppl_tol=2)
-    with pytest.raises(KeyError, match="reference"):
-        R.trapped_formats(rows, reference="bf16")
-
-
 def test_accuracy_pools_cells_from_a_minimum_length():
     res = R.EvalResult("passkey", "m", "int4", [
         {"length": 512, "depth": 0.0, "trials": 10, "correct": 10},
