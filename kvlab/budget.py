@@ -35,6 +35,10 @@ from .formats import KVFormat, get_format
 from .paths import DATA_DIR as DATA
 from .paths import PRESETS_DIR as PRESETS
 
+GIB = 1 << 30  # memory is counted in GiB, as nvidia-smi (MiB), torch and vLLM's start-up log print it
+# what vLLM keeps out of its share for itself (vllm PR#10511: Llama-3-8B on an H100 with default flags,
+# non-torch memory 1.79 GiB + profiled activation peak 1.26 GiB); see engine_cache
+DEFAULT_RESERVE_GIB = 3.05
 WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
 
 
@@ -365,16 +369,17 @@ def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, bl
     def cache(ranks: int) -> list[int]:
         out = []
         for layer in shape.layers:
+            f = fmt.for_layer(layer.window)  # a per-layer-type mix stores each layer type its own way
             held = context if layer.window is None else min(context, layer.window)
             slots = math.ceil(held / block_size) * block_size  # paged: whole blocks
-            n_full = _full_precision_tokens(fmt, slots)
-            bits = (slots - n_full) * _layer_bits_per_token(layer, fmt, ranks, None)
-            bits += n_full * _layer_bits_per_token(layer, fmt, ranks, full_precision_bits)
-            static = _static_scale_bits(layer, fmt, batch, ranks) if slots > n_full else 0
+            n_full = _full_precision_tokens(f, slots)
+            bits = (slots - n_full) * _layer_bits_per_token(layer, f, ranks, None)
+            bits += n_full * _layer_bits_per_token(layer, f, ranks, full_precision_bits)
+            static = _static_scale_bits(layer, f, batch, ranks) if slots > n_full else 0
             out.append(math.ceil(batch * bits / 8) + static // 8)
         return out
 
-    per_token_bits = sum(_layer_bits_per_token(layer, fmt, 1, None) for layer in shape.layers)
+    per_token_bits = sum(_layer_bits_per_token(layer, fmt.for_layer(layer.window), 1, None) for layer in shape.layers)
     per_layer = cache(1)
     return Budget(
         shape.name, fmt.name, batch, context, tp, block_size,
@@ -402,7 +407,7 @@ class GPU:
 def gpus() -> dict[str, GPU]:
     doc = json.loads((PRESETS / "gpus.json").read_text())["gpus"]
     return {
-        k: GPU(k, int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12,
+        k: GPU(k, int(v["memory_gb"] * GIB), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12,
                v.get("usd_per_hour"), v.get("price_source", ""))
         for k, v in doc.items()
     }
@@ -451,25 +456,31 @@ class Fit:
     tp: int
     weights_bytes_per_gpu: int
     usable_bytes_per_gpu: int  # memory x utilization
-    free_for_cache_per_gpu: int  # usable - weights; negative when the weights do not fit
+    free_for_cache_per_gpu: int  # usable - weights - reserve; negative when they do not fit
     weights_fit: bool
+    reserve_bytes_per_gpu: int = 0  # the engine's own: activation peak, CUDA graphs, NCCL (see engine_cache)
 
 
-def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: float = 0.9) -> Fit:
+def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: float = 0.9,
+        reserve_gib: float = DEFAULT_RESERVE_GIB) -> Fit:
     """How much of each GPU is left for the cache once the weights are loaded.
 
-    ``memory_utilization`` follows vLLM's ``--gpu-memory-utilization`` (the
-    fraction of memory the engine may use; activations and the CUDA context come
-    out of the remainder). Weights are split evenly over ``tp`` ranks.
+    ``memory_utilization`` follows vLLM's ``--gpu-memory-utilization`` (the fraction of memory the
+    engine may use). Out of it come the weights, split evenly over ``tp`` ranks, and ``reserve_gib``:
+    what the engine keeps for itself (its profiled activation peak and memory torch does not manage;
+    3.05 GiB by default, as vLLM logged for Llama-3-8B on an H100, vllm PR#10511).
     """
     if not isinstance(memory_utilization, int | float) or not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
+    if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, int | float) or not 0 <= reserve_gib <= 1e6:
+        raise ValueError(f"reserve_gib must be a number of GiB, 0 or more, got {reserve_gib!r}")
     tp = _positive_int("tp", tp)
     g = get_gpu(gpu)
     _check_tp(load_shape(model), tp)
     w = math.ceil(weights_bytes(model, weights_dtype) / tp)
     usable = int(g.memory_bytes * memory_utilization)
-    return Fit(g.name, tp, w, usable, usable - w, w <= usable)
+    reserve = int(reserve_gib * GIB)
+    return Fit(g.name, tp, w, usable, usable - w - reserve, w + reserve <= usable, reserve)
 
 
 def max_concurrency(model, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
@@ -515,3 +526,104 @@ def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dt
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+# --------------------------------------------------------------------------- what an engine gives the cache
+#
+# vLLM sizes its cache at start-up: it may use ``--gpu-memory-utilization`` x the GPU's total memory; it loads
+# the weights, runs a profile forward pass at the largest batch it will schedule, and subtracts the weights,
+# that pass's activation peak and the memory torch does not manage (NCCL, the CUDA context, CUDA graphs). What
+# is left becomes blocks of ``block_size`` tokens, each holding every layer's K and V for those tokens on this
+# rank. Its start-up log prints each step ("Available KV cache memory", "GPU KV cache size: N tokens", "Maximum
+# concurrency"); tests/test_budget.py reconciles this model with published logs (data/presets/vllm_logs.json).
+
+
+
+@dataclass(frozen=True)
+class EngineCache:
+    """The KV cache a vLLM-style engine allocates on one GPU (one tensor-parallel rank)."""
+
+    available_bytes: int  # memory given to the cache
+    bytes_per_token: int  # one token in every layer on this rank (K and V)
+    block_size: int
+    blocks: int
+
+    @property
+    def tokens(self) -> int:
+        """What vLLM prints as "GPU KV cache size: N tokens"."""
+        return self.blocks * self.block_size
+
+    def concurrency(self, max_model_len: int) -> float:
+        """What vLLM prints as "Maximum concurrency for L tokens per request: Cx"."""
+        return self.tokens / _positive_int("max_model_len", max_model_len)
+
+
+def engine_available_bytes(total_gib: float, gpu_memory_utilization: float = 0.9, weights_gib: float = 0.0,
+                           reserve_gib: float = DEFAULT_RESERVE_GIB) -> int:
+    """Memory left for the cache: ``utilization x total - weights - reserve`` (activation peak and
+    non-torch memory), in bytes, never below zero."""
+    for name, v, lo in (("total_gib", total_gib, 0), ("weights_gib", weights_gib, -1), ("reserve_gib", reserve_gib, -1)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= lo or v > 1e6:
+            raise ValueError(f"{name} must be a finite number of GiB{' above 0' if lo == 0 else ', 0 or more'}, got {v!r}")
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, int | float) \
+            or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    return max(0, int((gpu_memory_utilization * total_gib - weights_gib - reserve_gib) * GIB))
+
+
+def engine_cache(model, kv_format="bf16", available_bytes: int | None = None, *, tp: int = 1,
+                 block_size: int = 16) -> EngineCache:
+    """The cache an engine builds from ``available_bytes`` (see :func:`engine_available_bytes`):
+    whole blocks of ``block_size`` tokens, every layer's K and V on this rank (KV heads split over
+    ``tp`` ranks, or replicated when there are fewer heads than ranks).
+
+    vLLM allocates sliding-window layers from their own block pool, so models with windows are refused.
+    """
+    shape = load_shape(model)
+    fmt = get_format(kv_format)
+    tp = _positive_int("tp", tp)
+    _check_tp(shape, tp)
+    block_size = _positive_int("block_size", block_size)
+    available_bytes = _positive_int("available_bytes", available_bytes, zero_ok=True)
+    if any(layer.window for layer in shape.layers):
+        raise ValueError(f"{shape.name} has sliding-window layers: vLLM sizes their blocks apart, not modelled here")
+    if fmt.residual or fmt.sinks or fmt.layers:
+        raise ValueError(f"kv_format {fmt.name!r} keeps some tokens or layers in another precision; "
+                         "an engine's paged cache stores one format")
+    per_token = math.ceil(sum(_layer_bits_per_token(layer, fmt, tp, None) for layer in shape.layers) / 8)
+    return EngineCache(available_bytes, per_token, block_size, available_bytes // (per_token * block_size))
+
+
+_VLLM_LINES = {  # what vLLM's start-up log prints, across versions (V0 2024-25 and V1)
+    "total_gib": r"total_gpu_memory[ =(]+([\d.]+) ?GiB",
+    "utilization": r"gpu_memory_utilization[ =(]+([\d.]+)",
+    "weights_gib": r"model weights take ([\d.]+) ?GiB",
+    "non_torch_gib": r"non_torch_memory(?: takes|=)\s*([\d.]+) ?GiB",
+    "activation_gib": r"activation peak memory takes ([\d.]+) ?GiB",
+    "peak_torch_gib": r"peak_torch_memory=([\d.]+) ?GiB",
+    "available_gib": r"(?:Available KV cache memory:|reserved for KV Cache is|kv_cache_size=) ?([\d.]+) ?GiB",
+    "tokens": r"GPU KV cache size: ([\d,]+) tokens",
+    "blocks": r"# (?:GPU|CUDA) blocks: (\d+)|^GPU blocks: (\d+)",
+    "max_model_len": r"Maximum concurrency for ([\d,]+) tokens per request",
+    "concurrency": r"tokens per request: ([\d.]+)x",
+}
+
+
+def read_vllm_log(lines) -> dict[str, float]:
+    """The numbers in vLLM start-up lines (``"GPU KV cache size: 175,856 tokens"`` -> ``{"tokens": 175856}``).
+
+    Paste your own server's log to compare it with :func:`engine_cache`. Only the fields found are returned.
+    """
+    import re
+
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    if not isinstance(lines, list | tuple) or not all(isinstance(x, str) for x in lines):
+        raise TypeError("lines must be a string or a list of strings")
+    out = {}
+    for line in lines:
+        for key, pat in _VLLM_LINES.items():
+            m = re.search(pat, line)
+            if m and key not in out:
+                out[key] = float(next(g for g in m.groups() if g is not None).replace(",", ""))
+    return out

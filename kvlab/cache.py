@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .formats import KVFormat, get_format
+from .formats import LAYER_TYPES, KVFormat, get_format
 from .kernels.reference import attend_dense, attend_tiles, merge_partials
 from .quant import hadamard
 from .storage import KVStore, check_kernel_readable, kernel_head_dim_ok
@@ -287,15 +287,13 @@ def layer_windows(config) -> list[int | None]:
             for t, kw in zip(types, kwargs)]
 
 
-_LAYER_TYPES = ("sliding_attention", "full_attention")
-
-
-def _layer_formats(layer_formats, kernel) -> dict[str, KVFormat]:
-    """``{"sliding_attention" | "full_attention": format}`` checked; a type not named uses the cache's format."""
+def _layer_formats(fmt: KVFormat, layer_formats, kernel) -> dict[str, KVFormat]:
+    """``{"sliding_attention" | "full_attention": format}`` checked; a type not named uses the cache's
+    format. Without ``layer_formats``, the format's own per-layer-type overrides (``"int4_token@global"``)."""
     if layer_formats is None:
-        return {}
-    if not isinstance(layer_formats, dict) or set(layer_formats) - set(_LAYER_TYPES):
-        raise ValueError(f"layer_formats must map some of {_LAYER_TYPES} to formats, got {layer_formats!r}")
+        layer_formats = dict(fmt.layers)
+    if not isinstance(layer_formats, dict) or set(layer_formats) - set(LAYER_TYPES):
+        raise ValueError(f"layer_formats must map some of {LAYER_TYPES} to formats, got {layer_formats!r}")
     out = {t: get_format(f) for t, f in layer_formats.items()}
     for f in out.values():
         _kernel_mode(f, kernel)
@@ -336,7 +334,7 @@ class KVQuantCache(Cache):
             raise TypeError(f"quantize_prefill must be a bool, got {quantize_prefill!r}")
         self._kernel = kernel = _kernel_mode(self.fmt, kernel)
         self.quantize_prefill = quantize_prefill
-        self.layer_formats = _layer_formats(layer_formats, kernel)
+        self.layer_formats = _layer_formats(self.fmt, layer_formats, kernel)
         if config is not None:  # one layer per decoder layer, windowed where the model's layer is
             windows = layer_windows(config)
             if num_layers is not None and num_layers != len(windows):

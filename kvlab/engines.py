@@ -44,9 +44,7 @@ from .formats import KVFormat, Quantizer, get_format
 # kvlab's emulation of QuantizedCache(backend="quanto", nbits=n): asymmetric, 64-channel groups, residual 128.
 QUANTO_FORMATS = {
     4: get_format("hf-int4"),
-    2: KVFormat("hf-int2", Quantizer("int2", "group", 64, symmetric=False), Quantizer("int2", "group", 64, symmetric=False),
-                residual=128, source="transformers QuantizedCache (quanto backend) with nbits=2: q_group_size=64, "
-                                     "residual_length=128 (transformers docs, 'KV cache strategies')"),
+    2: get_format("hf-int2"),
 }
 
 

@@ -140,27 +140,26 @@ def greedy_through_cache(model, input_ids: torch.Tensor, fmt: str | KVFormat, n_
 
 
 def answers(model, input_ids: torch.Tensor, fmts, n_new: int, prefill_mode: str = "full", targets=None,
-            chunk: int | None = None, layer_formats: dict[str, dict] | None = None) -> dict[str, torch.Tensor]:
+            chunk: int | None = None) -> dict[str, torch.Tensor]:
     """Greedy answers ``{format name: [batch, n_new]}`` for every format from one prompt batch.
 
     ``"full"`` mode shares one full-precision prefill among all formats; ``"cached"`` prefills once per
     format, the prompt reading its own quantized cache (see :func:`greedy_through_cache`). ``targets``
     stops a format's decoding once every row has missed (:func:`decode`); ``chunk`` prefills in chunks
-    (:func:`run_prompt`); ``layer_formats`` maps a format's name to a per-layer-type mix
-    (:class:`~kvlab.cache.KVQuantCache`'s ``layer_formats``).
+    (:func:`run_prompt`). A per-layer-type mix (``"int4_token@global"``) carries its layers in the format.
     """
     _check_mode(prefill_mode)
-    fmts, mixes = _formats(fmts), layer_formats or {}
+    fmts = _formats(fmts)
     out = {}
     if prefill_mode == "full":
         dyn, first = prefill(model, input_ids, chunk)
         for f in fmts:
-            cache = KVQuantCache.from_prefill(f, dyn, layer_formats=mixes.get(f.name))
+            cache = KVQuantCache.from_prefill(f, dyn)
             out[f.name] = decode(model, cache, first, n_new, targets)
         return out
     config = model.config if hasattr(model.config, "num_hidden_layers") else None
     for f in fmts:
-        cache = KVQuantCache(f, quantize_prefill=True, config=config, layer_formats=mixes.get(f.name))
+        cache = KVQuantCache(f, quantize_prefill=True, config=config)
         out[f.name] = decode(model, cache, run_prompt(model, input_ids, cache, chunk), n_new, targets)
     return out
 
@@ -283,11 +282,11 @@ def perplexity_windows(tok, text: str | None = None, window: int = 512, max_wind
 
 
 @torch.no_grad()
-def window_nll(model, x: torch.Tensor, fmt, layer_formats: dict | None = None) -> float:
+def window_nll(model, x: torch.Tensor, fmt) -> float:
     """Summed next-token negative log-likelihood (nats) of one window ``[1, tokens]``, every token
-    attending over the quantized cache (``prefill="cached"``); ``layer_formats`` as in :func:`answers`."""
+    attending over the quantized cache (``prefill="cached"``)."""
     config = model.config if hasattr(model.config, "num_hidden_layers") else None
-    cache = KVQuantCache(fmt, quantize_prefill=True, config=config, layer_formats=layer_formats)
+    cache = KVQuantCache(fmt, quantize_prefill=True, config=config)
     x = x.to(_device(model))
     logits = model(x, past_key_values=cache, use_cache=True).logits[0, :-1].float()
     return torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()

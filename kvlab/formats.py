@@ -28,6 +28,9 @@ from dataclasses import dataclass, field, replace
 from .paths import PRESETS_DIR
 
 GRANULARITIES = ("tensor", "head", "token", "channel", "group")
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' config.layer_types
+# "int4_token@global": the named format on one layer type only, the other layers in full precision (fp32)
+MIX_SUFFIXES = {"global": "full_attention", "sliding": "sliding_attention"}
 ELEMENTS = {
     # name: (storage bits, kind)
     "float32": (32, "float"),
@@ -114,12 +117,31 @@ class KVFormat:
     source: str = ""
     notes: str = ""
     aliases: tuple[str, ...] = field(default=(), compare=False)
+    # per-layer-type overrides on a hybrid model: (("full_attention", fmt), ...); other layers use this format
+    layers: tuple[tuple[str, KVFormat], ...] = ()
 
     def __post_init__(self):
         for arg in ("residual", "sinks"):
             v = getattr(self, arg)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{arg} must be a non-negative integer, got {v!r}")
+        for t, f in self.layers:
+            if t not in LAYER_TYPES or not isinstance(f, KVFormat) or f.layers:
+                raise ValueError(f"layers must pair a layer type in {LAYER_TYPES} with a plain KVFormat, got {t!r}")
+
+    def for_layer(self, window: int | None) -> KVFormat:
+        """The plain format one layer stores: a sliding-window layer (``window`` set) or a global one.
+
+        A layer type with no override stores this format's own quantizers (fp32 for a named mix)."""
+        if not self.layers:
+            return self
+        own = FORMATS["fp32"] if "@" in self.name else replace(self, layers=())
+        return dict(self.layers).get("sliding_attention" if window else "full_attention", own)
+
+    @property
+    def layer_names(self) -> dict[str, str]:
+        """``{layer type: format name}`` of the per-layer-type overrides (empty for a plain format)."""
+        return {t: f.name for t, f in self.layers}
 
     @property
     def lossless(self) -> bool:
@@ -194,6 +216,9 @@ for _fmt in (
     KVFormat("kivi-2", _q("int2", "group", 32, "token", symmetric=False), _q("int2", "group", 32, symmetric=False),
              residual=128, source="KIVI-2 (Liu et al. 2024, arXiv:2402.02750): as KIVI-4 with 2-bit keys and values",
              aliases=("kivi2",)),
+    _same("hf-int2", _q("int2", "group", 64, symmetric=False), residual=128,
+          source="transformers QuantizedCache (quanto backend): nbits=2, q_group_size=64, residual_length=128 "
+                 "(transformers docs, 'KV cache strategies')"),
     _same("lmdeploy-int8", _q("int8", "token", symmetric=False),
           source="LMDeploy quant_policy=8: asymmetric INT8 per token and head with scale and zero point "
                  "(LMDeploy docs, 'INT4/INT8 KV Cache')"),
@@ -207,8 +232,11 @@ for _fmt in (
 def get_format(fmt: str | KVFormat) -> KVFormat:
     """Look a format up by name (or pass a :class:`KVFormat` through).
 
-    A preset's name may carry the options :meth:`KVFormat.with_options` writes into names:
-    ``"int4_token+sinks4"``, ``"int4_token+residual128"``, ``"kivi-2+rotate"``.
+    The one parser of format names: every name the shipped results use resolves here.
+    A preset's name may carry the options :meth:`KVFormat.with_options` writes into names
+    (``"int4_token+sinks4"``, ``"int4_token+residual128"``, ``"kivi-2+rotate"``), and may end in
+    ``@global`` or ``@sliding``: that format on one layer type of a hybrid model, every other
+    layer in full precision (``"int4_token@global"``).
     """
     if isinstance(fmt, KVFormat):
         return fmt
@@ -217,10 +245,16 @@ def get_format(fmt: str | KVFormat) -> KVFormat:
     key = fmt.strip().lower()
     if key in FORMATS:
         return FORMATS[key]
+    body, at, where = key.partition("@")
+    if at:
+        if where not in MIX_SUFFIXES:
+            raise ValueError(f"unknown layer type {where!r} in KV format {fmt!r}: use @global or @sliding")
+        return replace(FORMATS["fp32"], name=key, aliases=(), layers=((MIX_SUFFIXES[where], get_format(body)),),
+                       source=f"{body} on the {where} layers only, full precision (fp32) on the others")
     base, *opts = key.split("+")
     if base not in FORMATS:
         raise ValueError(f"unknown KV format {fmt!r}; choose one of: {', '.join(format_names())} "
-                         "(optionally with +sinksN, +residualN or +rotate)")
+                         "(optionally with +sinksN, +residualN or +rotate, and @global or @sliding)")
     out = FORMATS[base]
     for opt in opts:
         m = re.fullmatch(r"(sinks|residual)(\d{1,6})|rotate", opt)

@@ -42,25 +42,20 @@ CORE = ["fp32", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "int4_tensor",
 CACHED = ["fp8_e4m3", "int8", "q4_0", "int4_token"]
 CACHED_LENGTHS = [8192, 32768]
 # per-layer-type mixes on a hybrid model: INT4 only where the layer attends globally, or only on the windows
-MIXED = {"int4_token@global": ("fp32", {"full_attention": "int4_token"}),
-         "int4_token@sliding": ("fp32", {"sliding_attention": "int4_token"})}
+# (kvlab.formats resolves these names: int4_token on one layer type, full precision on the others)
+MIXED = ["int4_token@global", "int4_token@sliding"]
 
 
 def formats(quick: bool, hybrid: bool = True):
-    """``(formats, mixes)``: the formats swept, and the per-layer-type mix of each mixed one (by name).
-
-    The mixes exist only on a hybrid model (``hybrid``: some layers attend through a sliding window);
-    on a model whose layers all attend globally they would repeat a core format.
-    """
+    """The formats swept. The per-layer-type mixes exist only on a hybrid model (``hybrid``: some
+    layers attend through a sliding window); on a model whose layers all attend globally they would
+    repeat a core format."""
     from kvlab.formats import get_format, mitigations
 
     if quick:
-        return [get_format(n) for n in ("fp32", "int8", "int4_token")], {}
+        return [get_format(n) for n in ("fp32", "int8", "int4_token")]
     fmts = [get_format(n) for n in CORE] + mitigations()
-    if not hybrid:
-        return fmts, {}
-    fmts += [get_format(base).with_options(name=n) for n, (base, _) in MIXED.items()]
-    return fmts, {n: mix for n, (_, mix) in MIXED.items()}
+    return fmts + [get_format(n) for n in MIXED] if hybrid else fmts
 
 
 def main(argv=None):
@@ -98,7 +93,7 @@ def main(argv=None):
     depths = [0.0, 1.0] if args.quick else DEPTHS
     per_depth = 1 if args.quick else args.per_depth
     model, tok = load_model(args.model)
-    fmts, mixes = formats(args.quick, "sliding_attention" in (getattr(model.config, "layer_types", None) or []))
+    fmts = formats(args.quick, "sliding_attention" in (getattr(model.config, "layer_types", None) or []))
     window = getattr(model.config, "max_position_embeddings", None)
     if window and max(lengths) > window:
         p.error(f"--lengths: {max(lengths)} tokens is past {args.model}'s {window}-token window")
@@ -109,7 +104,7 @@ def main(argv=None):
 
     header = {"kind": "header", "model": args.model, "depths": depths, "per_depth": per_depth,
               "formats": {f.name: {"source": f.source, "bits_per_element": f.bits_per_element(model.config.head_dim),
-                                   "layer_formats": mixes.get(f.name, {})} for f in fmts},
+                                   "layer_formats": f.layer_names} for f in fmts},
               "haystacks": {"filler": "repeated filler sentences (kvlab.tasks.FILLER)",
                             "prose": str(args.haystack_file) if args.haystack_file else tasks.CORPUS_SOURCE},
               "chunk": args.chunk, "task": "passkey (5 digits, greedy exact match)"}
@@ -117,7 +112,9 @@ def main(argv=None):
     if args.out.exists() and args.out.stat().st_size:
         lines = [json.loads(x) for x in args.out.read_text().splitlines() if x.strip()]
         old = lines[0]
-        if any(old.get(k) != header[k] for k in ("model", "depths", "per_depth", "formats", "haystacks")):
+        same = {n: (v["bits_per_element"], v["layer_formats"]) for n, v in header["formats"].items()} == \
+            {n: (v["bits_per_element"], v["layer_formats"]) for n, v in old.get("formats", {}).items()}
+        if not same or any(old.get(k) != header[k] for k in ("model", "depths", "per_depth", "haystacks")):
             p.error(f"{args.out} holds a different sweep (model, depths, formats or haystack); move it away first")
         done = {(r["stage"], r["length"], r["depth"], r["index"]) for r in lines[1:]}
         print(f"resuming: {len(done)} prompts already measured", flush=True)
@@ -145,7 +142,7 @@ def main(argv=None):
                 if ("perplexity", x.shape[1], 0.0, i) in done:
                     continue
                 t0 = time.time()
-                nll = {f.name: round(evals.window_nll(model, x, f, mixes.get(f.name)), 4) for f in fmts}
+                nll = {f.name: round(evals.window_nll(model, x, f), 4) for f in fmts}
                 write({"stage": "perplexity", "haystack": "heldout", "prefill": "cached", "length": x.shape[1],
                        "depth": 0.0, "index": i, "tokens": x.shape[1] - 1, "nll": nll,
                        "seconds": round(time.time() - t0, 1)})
@@ -164,8 +161,7 @@ def main(argv=None):
                     ex = exs[i]
                     ids = torch.tensor([ex.input_ids])
                     want = torch.tensor([ex.answer_ids])
-                    gens = evals.answers(model, ids, per_stage[stage], want.shape[1], mode[stage], want, args.chunk,
-                                         mixes)
+                    gens = evals.answers(model, ids, per_stage[stage], want.shape[1], mode[stage], want, args.chunk)
                     correct = {name: g[0].tolist() == ex.answer_ids for name, g in gens.items()}
                     rec = {"stage": stage, "haystack": "prose" if stage == "prose" else "filler",
                            "prefill": mode[stage], "length": n, "depth": float(d), "index": i, "key": ex.answer,

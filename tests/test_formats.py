@@ -1,0 +1,59 @@
+"""Format names: one parser resolves every format the shipped results name."""
+
+import json
+
+import pytest
+
+from kvlab import budget as B
+from kvlab.formats import KVFormat, get_format
+from kvlab.paths import DATA_DIR
+
+
+def shipped_format_names() -> set[str]:
+    """Every KV format a shipped result file names, read from the files themselves."""
+    names = set()
+    res = DATA_DIR / "results"
+    for path in res.glob("long_sweep*.jsonl"):
+        names |= set(json.loads(path.read_text().splitlines()[0])["formats"])
+    names |= set(json.loads((res / "eval_sweep.json").read_text())["formats"])
+    for path in res.glob("engines_*.json"):
+        for key, row in json.loads(path.read_text()).get("formats", {}).items():
+            names.add(row.get("kvlab_format", key))  # an engine's own label maps to the preset it is checked against
+    return names
+
+
+def test_every_shipped_format_resolves():
+    names = shipped_format_names()
+    assert {"int4_g16", "hf-int2", "kivi-2+rotate", "int4_token+sinks4", "int4_token@global"} <= names
+    for n in names:
+        assert get_format(n).name == n
+
+
+def test_a_layer_type_mix_names_its_layers():
+    mix = get_format("int4_token@global")
+    assert mix.for_layer(None) == get_format("int4_token")  # a global layer
+    assert mix.for_layer(512).name == "fp32"  # a sliding-window layer
+    assert get_format("int4_token@sliding").layer_names == {"sliding_attention": "int4_token"}
+
+
+@pytest.mark.parametrize("bad, match", [("int4@everywhere", "@global or @sliding"), ("int9", "unknown KV format"),
+                                        ("int4+twist", "unknown option"), ("int4_token@global@sliding", "layer type")])
+def test_bad_names_say_what_is_wrong(bad, match):
+    with pytest.raises(ValueError, match=match):
+        get_format(bad)
+
+
+def test_a_mix_cannot_nest():
+    with pytest.raises(ValueError, match="plain KVFormat"):
+        KVFormat("x", get_format("fp32").key, get_format("fp32").value, layers=(("full_attention", get_format("int4_token@global")),))
+
+
+def test_a_mix_budget_is_its_layers_budgets():
+    """Gemma 3 270M: 3 global layers in INT4, 15 sliding layers in fp32; each layer costs what its format costs."""
+    mix = B.budget("gemma-3-270m", 2, 4096, "int4_token@global")
+    full = B.budget("gemma-3-270m", 2, 4096, "fp32")
+    int4 = B.budget("gemma-3-270m", 2, 4096, "int4_token")
+    windows = [layer.window for layer in B.load_shape("gemma-3-270m").layers]
+    want = [f if w else i for w, f, i in zip(windows, full.per_layer_bytes, int4.per_layer_bytes)]
+    assert list(mix.per_layer_bytes) == want
+    assert int4.cache_bytes < mix.cache_bytes < full.cache_bytes
