@@ -92,7 +92,8 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
     f = B.fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
     if not f.weights_fit:
         raise ValueError(f"{B.load_shape(model).name} in {weights_dtype} does not fit on {tp} x {gpu}: "
-                         f"{f.weights_bytes_per_gpu / 1e9:.0f} GB of weights per GPU, {f.usable_bytes_per_gpu / 1e9:.0f} GB usable")
+                         f"{f.weights_bytes_per_gpu / B.GIB:.0f} GiB of weights and {f.reserve_bytes_per_gpu / B.GIB:.2f} GiB "
+                         f"of engine reserve per GPU, {f.usable_bytes_per_gpu / B.GIB:.0f} GiB usable")
     base = None
     rows = []
     for name in formats:
@@ -111,7 +112,7 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
         rows.append({
             "kv_format": name, "bits_per_element": get_format(name).bits_per_element(
                 max(x.head_dim or x.latent_dim for x in B.load_shape(model).layers)),
-            "cache_gb_per_gpu": b.cache_bytes_per_gpu / 1e9, "fits": fits, "max_concurrency": most,
+            "cache_gib_per_gpu": b.cache_bytes_per_gpu / B.GIB, "fits": fits, "max_concurrency": most,
             "running": batch, "step_ms": st.seconds * 1e3 if st else None, "bound": st.bound if st else None,
             "cache_share": st.cache_share if st else None, "tokens_per_s": tps,
             "speedup": tps / base if base else None, "engines": engines,
@@ -137,7 +138,7 @@ def markdown(rows: list[dict]) -> str:
         eng = "; ".join(f"{k}: `{v}`" for k, v in r["engines"].items()) or "none documented"
         step = f"{r['step_ms']:.1f} ms" if r["step_ms"] is not None else "—"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "—"
-        out.append(f"| `{r['kv_format']}` | {r['bits_per_element']:.2f} | {r['cache_gb_per_gpu']:.1f} GB | "
+        out.append(f"| `{r['kv_format']}` | {r['bits_per_element']:.2f} | {r['cache_gib_per_gpu']:.1f} GiB | "
                    f"{'yes' if r['fits'] else '**no**'} | {r['max_concurrency']:,} | {step} | {r['tokens_per_s']:,.0f} | "
                    f"{sp} | {qual} | {ppl} | {eng} |")
     return "\n".join(out)

@@ -39,6 +39,99 @@ def _claim(ok, evidence=None) -> tuple[bool, object]:
     return bool(ok), evidence
 
 
+# --------------------------------------------------------------------------- chapter 1
+
+CH1 = dict(model="llama-3.1-70b", gpu="H200", weights="fp8", chats=100, context=32768, utilization=0.9)
+CH1_LOG = "llama3-8b-a100-40gb"  # the published vLLM log chapter 1 reads line by line (the one with every term)
+
+
+def vllm_logs() -> list[dict]:
+    """The published vLLM start-up logs (data/presets/vllm_logs.json), each with kvlab's count beside vLLM's."""
+    import json
+
+    from . import budget as B
+
+    doc = json.loads((B.PRESETS / "vllm_logs.json").read_text())
+    out = []
+    for log in doc["logs"]:
+        r = B.read_vllm_log(log["lines"])
+        fmt = "fp8_e4m3" if log["kv_cache_dtype"] == "fp8" else "bf16"
+        logged = int(r.get("tokens") or r["blocks"] * 16)
+        ours = B.engine_cache(log["model"], fmt, int(r["available_gib"] * B.GIB), tp=log["tp"])
+        bounds = [B.engine_cache(log["model"], fmt, int((r["available_gib"] + d) * B.GIB), tp=log["tp"]).tokens
+                  for d in (-0.005, 0.005)]  # the log prints GiB to two decimals
+        out.append(log | {"numbers": r, "fmt": fmt, "logged_tokens": logged, "kvlab_tokens": ours.tokens,
+                          "bytes_per_token": ours.bytes_per_token, "ratio": logged / ours.tokens,
+                          "within_rounding": bounds[0] <= logged <= bounds[1]})
+    return out
+
+
+def _logs_md(logs: list[dict]) -> str:
+    rows = ["| model | GPU | KV dtype | TP | cache memory printed | tokens printed | kvlab's tokens | vLLM / kvlab | source |",
+            "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for x in logs:
+        model = x["model"] + ("" if x.get("model_stated", True) else " (inferred)")
+        rows.append(f"| {model} | {x['gpu']} | {x['kv_cache_dtype']} | {x['tp']} | {x['numbers']['available_gib']:.2f} GiB | "
+                    f"{x['logged_tokens']:,} | {x['kvlab_tokens']:,} | {x['ratio']:.4f}{'' if x['within_rounding'] else ' ✗'} | "
+                    f"[{x['source']}]({x['url']}) |")
+    return "\n".join(rows)
+
+
+def cache_budget() -> Facts:
+    """Chapter 1: the 70B headline in GiB with the engine's reserve, weights vs cache quantization side by
+    side, and kvlab's engine model read against published vLLM start-up logs."""
+    from . import budget as B
+
+    G, c = B.GIB, CH1
+    fit = B.fit(c["model"], c["gpu"], c["weights"], memory_utilization=c["utilization"])
+    chats = B.budget(c["model"], c["chats"], c["context"], "fp8_e4m3").cache_bytes_per_gpu
+    grid = {(w, k): B.max_concurrency(c["model"], c["context"], k, c["gpu"], w)
+            for w in ("bf16", "fp8", "int4") for k in ("bf16", "fp8_e4m3", "int4")}
+    logs = vllm_logs()
+    shown = next(x for x in logs if x["id"] == CH1_LOG)
+    n = shown["numbers"]
+    misses = [x for x in logs if not x["within_rounding"]]
+    w4_kv8, w8_kv4 = grid[("int4", "fp8_e4m3")], grid[("fp8", "int4")]
+    values = {
+        **c, "gpu_gib": B.get_gpu(c["gpu"]).memory_bytes / G, "weights_gib": fit.weights_bytes_per_gpu / G,
+        "usable_gib": fit.usable_bytes_per_gpu / G, "reserve_gib": fit.reserve_bytes_per_gpu / G,
+        "free_gib": fit.free_for_cache_per_gpu / G, "chats_gib": chats / G, "chats_x": chats / fit.free_for_cache_per_gpu,
+        "grid": grid, "w4_kv8": w4_kv8, "w8_kv4": w8_kv4, "w8_kv8": grid[("fp8", "fp8_e4m3")],
+        "w4_kv4": grid[("int4", "int4")], "bf16_weights_fit": grid[("bf16", "bf16")] > 0,
+        "lever": "the cache" if w8_kv4 > w4_kv8 else ("the weights" if w4_kv8 > w8_kv4 else "neither"),
+        "weights_int4_saving_gib": (B.weights_bytes(c["model"], "fp8") - B.weights_bytes(c["model"], "int4")) / G,
+        "logs": logs, "n_logs": len(logs), "n_models": len({x["model"] for x in logs}),
+        "n_within": len(logs) - len(misses), "miss": misses[0] if misses else None,
+        "miss_pct": (1 - misses[0]["ratio"]) * 100 if misses else 0.0,
+        "log": shown, "log_n": n, "log_reserve_gib": n["non_torch_gib"] + n["activation_gib"],
+        "log_available_gib": B.engine_available_bytes(n["total_gib"], n["utilization"], n["weights_gib"],
+                                                      n["non_torch_gib"] + n["activation_gib"]) / G,
+        "log_concurrency": shown["logged_tokens"] / n["max_model_len"],
+        "rounding_tokens": 0.005 * G / shown["bytes_per_token"],
+        "default_reserve_gib": B.DEFAULT_RESERVE_GIB,
+        "logs_md": _logs_md(logs),
+        "grid_md": "| weights \\ KV cache | BF16 | FP8 | INT4 |\n|---|---:|---:|---:|\n" + "\n".join(
+            f"| {w.upper()} | " + " | ".join(str(grid[(w, k)]) for k in ("bf16", "fp8_e4m3", "int4")) + " |"
+            for w in ("bf16", "fp8", "int4")),
+    }
+    claims = {
+        "the FP8 weights and the reserve fit, and 100 chats at 32k need several times the room left":
+            _claim(fit.weights_fit and values["chats_x"] > 5, values["chats_x"]),
+        "BF16 weights of a 70B model do not fit one H200": not values["bf16_weights_fit"],
+        "halving the weights helps too: INT4 weights beat FP8 weights at every cache format":
+            _claim(all(grid[("int4", k)] > grid[("fp8", k)] for k in ("bf16", "fp8_e4m3", "int4")), grid),
+        "the lever named is the one the grid shows": _claim(values["lever"] != "neither", (w4_kv8, w8_kv4)),
+        "every published log but the one named lies within the printed rounding": _claim(len(misses) <= 1, len(misses)),
+        "the named miss is the tensor-parallel one, about 1% low":
+            _claim(not misses or (misses[0]["tp"] > 1 and 0.5 < values["miss_pct"] < 2), values["miss_pct"]),
+        "the shown log's breakdown gives its printed cache memory":
+            _claim(abs(values["log_available_gib"] - n["available_gib"]) <= 0.01, values["log_available_gib"]),
+        "the logs cover at least four models and two cache dtypes":
+            _claim(values["n_models"] >= 4 and len({x["fmt"] for x in logs}) >= 2, values["n_models"]),
+    }
+    return Facts(values, claims)
+
+
 # --------------------------------------------------------------------------- chapter 3
 
 CH3_MODEL, CH3_GPU, CH3_CONTEXT = "llama-3.1-8b", "H200", 32768
@@ -641,7 +734,7 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
     values = {
         "requests": reqs, "quality": quality, "reference": reference, "formats": fmts,
         "quality_bar": CH5_QUALITY_BAR, "ppl_limit": CH5_PPL_LIMIT, "trace": trace, "model": CH5_MODEL,
-        "gpu": CH5_GPU, "gpu_gb": gpu.memory_bytes / 1e9,
+        "gpu": CH5_GPU, "gpu_gib": gpu.memory_bytes / B.GIB,
         "free_gib": B.fit(CH5_MODEL, CH5_GPU, "bf16").free_for_cache_per_gpu / gib,
         "mfu": S.CostModel.mfu, "mbu": S.CostModel.mbu, "int4_pool_gib": 16 / 4.5,
         "blocks": blocks, "curves": curves, "pools": CH5_POOLS_GIB, "split": split, "table": table,
@@ -797,5 +890,5 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     return Facts(values, claims)
 
 
-CHAPTERS: dict[str, Callable[[], Facts]] = {"03_triton_attention": triton_attention, "04_where_int4_breaks": where_int4_breaks,
+CHAPTERS: dict[str, Callable[[], Facts]] = {"01_cache_budget": cache_budget, "03_triton_attention": triton_attention, "04_where_int4_breaks": where_int4_breaks,
                                             "05_prefix_cache": prefix_cache, "06_choosing_a_format": choosing_a_format}

@@ -7,6 +7,8 @@ browser.
 
 from __future__ import annotations
 
+import math
+
 import ipywidgets as w
 import plotly.graph_objects as go
 
@@ -17,6 +19,8 @@ from .simulator import cost_table_html
 GiB = 1024**3
 CONTEXTS = [2**k for k in range(9, 21)]  # 512 .. 1M tokens
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "kivi-2")
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # FP8 and INT8 cost nearly the same: tell them apart
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x")
 
 
 SNAPSHOT_NOTE = ("A static snapshot of an interactive panel, as it was when the chapter ran: open the notebook in "
@@ -74,8 +78,9 @@ def memory_breakdown(model, gpu, kv_format, weights_dtype, batch, context, tp=1,
     total = B.get_gpu(gpu).memory_bytes
     return {
         "weights": f.weights_bytes_per_gpu / GiB,
+        "reserve": f.reserve_bytes_per_gpu / GiB,  # the engine's own: activation peak, CUDA graphs, NCCL
         "cache": cache / GiB,
-        "free": max(0, total - f.weights_bytes_per_gpu - cache) / GiB,
+        "free": max(0, total - f.weights_bytes_per_gpu - f.reserve_bytes_per_gpu - cache) / GiB,
         "capacity": total / GiB,
         "usable": f.usable_bytes_per_gpu / GiB,
         "fits": f.weights_fit and cache <= f.free_for_cache_per_gpu,
@@ -112,16 +117,19 @@ class BudgetExplorer(_Panel):
 
         self.bar = go.FigureWidget(
             data=[go.Bar(name=n, x=[0], y=["per GPU"], orientation="h", marker_color=c)
-                  for n, c in (("weights", "#636efa"), ("KV cache", "#ef553b"), ("free", "#c8d6c8"))],
+                  for n, c in (("weights", "#636efa"), ("engine reserve", "#ab63fa"), ("KV cache", "#ef553b"),
+                               ("free", "#c8d6c8"))],
             layout=dict(barmode="stack", height=220, title="Memory per GPU (GiB = 2^30 bytes; the dashed line is what the engine may use)",
                         xaxis_title="GiB", margin=dict(l=60, r=20, t=40, b=40)),
         )
         self.curve = go.FigureWidget(
-            data=[go.Scatter(name=f, x=CONTEXTS, y=[0] * len(CONTEXTS), mode="lines+markers")
-                  for f in self.formats]
+            data=[go.Scatter(name=f, x=CONTEXTS, y=[None] * len(CONTEXTS), mode="lines+markers",
+                             line=dict(dash=DASHES[i % len(DASHES)]), marker=dict(symbol=SYMBOLS[i % len(SYMBOLS)]))
+                  for i, f in enumerate(self.formats)]
             + [go.Scatter(name="you are here", x=[context], y=[batch], mode="markers",
                           marker=dict(size=14, symbol="x", color="black"))],
-            layout=dict(height=380, title="Most concurrent sequences that fit, by KV format",
+            layout=dict(height=380, title="Most concurrent sequences that fit, by KV format "
+                                          "(a line stops where not one sequence fits)",
                         xaxis=dict(type="log", title="context (tokens)"),
                         yaxis=dict(type="log", title="max concurrent sequences"),
                         margin=dict(l=60, r=20, t=40, b=40)),
@@ -145,7 +153,7 @@ class BudgetExplorer(_Panel):
             self.status.value = f"<span style='color:#b00'>{e}</span>"
             return
         with self.bar.batch_update():
-            for trace, key in zip(self.bar.data, ("weights", "cache", "free")):
+            for trace, key in zip(self.bar.data, ("weights", "reserve", "cache", "free")):
                 trace.x = [m[key]]
             self.bar.layout.xaxis.range = [0, max(m["capacity"], m["weights"] + m["cache"]) * 1.02]
             self.bar.layout.shapes = [dict(type="line", x0=m["usable"], x1=m["usable"], y0=-0.45, y1=0.45,
@@ -155,13 +163,19 @@ class BudgetExplorer(_Panel):
             if key != self._curve_key:  # the curves depend on these only, not on batch or context
                 for trace, ys in zip(self.curve.data, concurrency_curves(
                         a["model"], a["gpu"], a["weights_dtype"], self.formats, tp=a["tp"]).values()):
-                    trace.y = [max(y, 0.5) for y in ys]  # log axis: show 0 as 0.5
+                    trace.y = [y if y > 0 else None for y in ys]  # log axis: no point where nothing fits
+                limit = B.load_shape(a["model"]).max_position_embeddings
+                self.curve.layout.shapes = [dict(type="line", x0=limit, x1=limit, yref="paper", y0=0, y1=1,
+                                                 line=dict(color="gray", dash="dot"))] if limit else []
+                self.curve.layout.annotations = [dict(x=math.log10(limit), yref="paper", y=1, showarrow=False,
+                                                      text="the model's window", xanchor="right")] if limit else []
                 self._curve_key = key
             self.curve.data[-1].x, self.curve.data[-1].y = [a["context"]], [a["batch"]]
         verdict = "fits" if m["fits"] else "does <b>not</b> fit"
         self.status.value = (
             f"{a['batch']} x {a['context']:,} tokens in {a['kv_format']}: cache {m['cache']:,.1f} GiB per GPU, "
-            f"weights {m['weights']:,.1f} GiB, usable {m['usable']:,.1f} GiB &rarr; {verdict}."
+            f"weights {m['weights']:,.1f} GiB, engine reserve {m['reserve']:,.1f} GiB, "
+            f"usable {m['usable']:,.1f} GiB &rarr; {verdict}."
             + _engine_line(a["kv_format"])
         )
 

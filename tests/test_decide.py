@@ -43,7 +43,7 @@ def test_options_refuse_bad_input():
 @given(st.integers(1, 1 << 20), st.integers(1, 512), st.sampled_from(["bf16", "fp8_e4m3", "int4", "kivi-2"]))
 def test_any_load_gives_finite_non_negative_rows(context, concurrency, fmt):
     for r in decide.options("llama-3.1-8b", "H200", context, concurrency, formats=["bf16", fmt]):
-        assert r["max_concurrency"] >= 0 and r["cache_gb_per_gpu"] >= 0 and r["tokens_per_s"] >= 0
+        assert r["max_concurrency"] >= 0 and r["cache_gib_per_gpu"] >= 0 and r["tokens_per_s"] >= 0
         assert r["running"] <= concurrency and (r["step_ms"] is None or math.isfinite(r["step_ms"]))
         assert r["fits"] == (r["max_concurrency"] >= concurrency)
 

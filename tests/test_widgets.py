@@ -4,15 +4,19 @@ from kvlab import budget as B
 from kvlab.widgets import BudgetExplorer, memory_breakdown
 
 
+CACHE = 2  # weights, engine reserve, KV cache, free
+
+
 def test_slider_updates_figure_in_place():
     e = BudgetExplorer(model="llama-3.1-8b", gpu="H100-80GB", kv_format="bf16", batch=4, context=4096)
-    bar_trace, curve_trace = e.bar.data[1], e.curve.data[0]
-    before = e.bar.data[1].x[0]
+    bar_trace, curve_trace = e.bar.data[CACHE], e.curve.data[0]
+    assert bar_trace.name == "KV cache"
+    before = e.bar.data[CACHE].x[0]
     e.batch.value = 8  # programmatic slider move
-    assert e.bar.data[1] is bar_trace  # same trace object: updated, not re-rendered
-    assert e.bar.data[1].x[0] == 2 * before
+    assert e.bar.data[CACHE] is bar_trace  # same trace object: updated, not re-rendered
+    assert e.bar.data[CACHE].x[0] == 2 * before
     e.context.value = 8192
-    assert e.bar.data[1].x[0] == 4 * before
+    assert e.bar.data[CACHE].x[0] == 4 * before
     assert tuple(e.curve.data[-1].x) == (8192,) and tuple(e.curve.data[-1].y) == (8,)
     old_curve = tuple(curve_trace.y)
     e.gpu.value = "L4"
@@ -21,9 +25,17 @@ def test_slider_updates_figure_in_place():
 
 def test_kv_format_dropdown_halves_cache():
     e = BudgetExplorer(model="llama-3.1-8b", kv_format="bf16")
-    c16 = e.bar.data[1].x[0]
+    c16 = e.bar.data[CACHE].x[0]
     e.kv_format.value = "fp8_e4m3"
-    assert e.bar.data[1].x[0] == pytest.approx(c16 / 2, rel=1e-6)  # + one fp32 scale per layer
+    assert e.bar.data[CACHE].x[0] == pytest.approx(c16 / 2, rel=1e-6)  # + one fp32 scale per layer
+
+
+def test_curves_leave_out_what_fits_nowhere_and_mark_the_window():
+    e = BudgetExplorer(model="llama-3.1-70b", gpu="H200", weights_dtype="fp8")
+    ys = dict(zip([t.name for t in e.curve.data], [t.y for t in e.curve.data]))
+    assert ys["bf16"][-1] is None and ys["bf16"][0] > 0  # 1M tokens of BF16 cache fit nowhere: no point, not 0.5
+    assert e.curve.layout.shapes[0].x0 == B.load_shape("llama-3.1-70b").max_position_embeddings
+    assert len({t.line.dash for t in e.curve.data[:-1]}) == len(e.curve.data) - 1  # FP8 and INT8 drawn apart
 
 
 def test_bad_tp_shows_error_instead_of_raising():
@@ -38,7 +50,8 @@ def test_bad_tp_shows_error_instead_of_raising():
 
 def test_memory_breakdown_adds_up():
     m = memory_breakdown("llama-3.1-8b", "H100-80GB", "fp8", "bf16", 4, 8192)
-    assert abs(m["weights"] + m["cache"] + m["free"] - m["capacity"]) < 1e-6
+    assert abs(m["weights"] + m["reserve"] + m["cache"] + m["free"] - m["capacity"]) < 1e-6
+    assert m["reserve"] == pytest.approx(B.DEFAULT_RESERVE_GIB)
     assert m["cache"] * 1024**3 == B.budget("llama-3.1-8b", 4, 8192, "fp8").cache_bytes
 
 
