@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from . import budget as B
 from .formats import engine_options, get_format
+from .roofline import MBU, MFU
 
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "kivi-4", "q4_0", "int4_tensor")
 
@@ -41,12 +42,13 @@ class StepTime:
 
 
 def step_time(model, batch: int, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
-              tp: int = 1, mbu: float = 1.0, mfu: float = 1.0) -> StepTime:
+              tp: int = 1, mbu: float = MBU, mfu: float = MFU) -> StepTime:
     """Roofline of one decode step: every weight and every sequence's cache read once, per GPU.
 
     FLOPs: 2 per parameter per sequence for the matmuls, plus attention's 4 per cached element
     per query head (q.k and p.v). ``mbu`` and ``mfu`` scale peak bandwidth and FLOPs (1.0: the
-    roofline itself; real kernels reach a fraction of it, which moves every format alike).
+    roofline itself; by default the workbook's one assumption, :data:`kvlab.roofline.MBU` and ``MFU``,
+    which moves every format alike).
     """
     for name, v in (("mbu", mbu), ("mfu", mfu)):
         if not isinstance(v, int | float) or not 0 < v <= 1:
@@ -61,6 +63,52 @@ def step_time(model, batch: int, context: int, kv_format="bf16", gpu="H100-80GB"
     t_mem = (w + cache) / (g.bandwidth_bytes_per_s * mbu)
     t_cmp = flops / (g.peak_bf16_flops * mfu) if g.peak_bf16_flops else 0.0
     return StepTime(w, cache, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute")
+
+
+TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes within one 8-GPU node
+
+
+def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weights_dtype: str = "bf16",
+         max_gpus: int = 64, memory_utilization: float = 0.9, gpu_hour_usd: float | None = None) -> dict | None:
+    """The fewest GPUs that hold ``concurrency`` sequences of ``context`` tokens in ``kv_format``.
+
+    Tries every tensor-parallel size in :data:`TP_SIZES` that the model's heads split into, with as many
+    replicas as it takes; the fewest GPUs wins, then the higher throughput. Throughput is the decode
+    roofline at :data:`kvlab.roofline.MBU` (tensor-parallel communication not counted), each replica
+    running its share of the load; cost is dollars per million generated tokens at the GPU's listed (or
+    the given) hourly price. ``None`` when no configuration of at most ``max_gpus`` GPUs holds the load.
+    """
+    context = B._positive_int("context", context)
+    concurrency = B._positive_int("concurrency", concurrency)
+    max_gpus = B._positive_int("max_gpus", max_gpus)
+    name = get_format(kv_format).name
+    best = None
+    for tp in TP_SIZES:
+        try:
+            room = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+        except ValueError as e:  # heads that do not split over tp ranks
+            if "tp=" in str(e) or "divide" in str(e):
+                continue
+            raise
+        if not room:
+            continue
+        replicas = -(-concurrency // room)
+        if tp * replicas > max_gpus:
+            continue
+        batch = -(-concurrency // replicas)
+        st = step_time(model, batch, context, name, gpu, weights_dtype, tp=tp)
+        tps = replicas * batch / st.seconds
+        key = (tp * replicas, -tps)
+        if best is None or key < best[0]:
+            best = (key, {"kv_format": name, "tp": tp, "replicas": replicas, "gpus": tp * replicas,
+                          "per_replica": room, "batch_per_replica": batch, "step_ms": st.seconds * 1e3,
+                          "tokens_per_s": tps})
+    if best is None:
+        return None
+    row = best[1]
+    usd = B.hourly_price(gpu, gpu_hour_usd) * row["gpus"]
+    row["usd_per_million_tokens"] = usd / (row["tokens_per_s"] * 3600) * 1e6
+    return row
 
 
 def _quality(sweep: dict | None, fmt: str) -> dict:
@@ -117,6 +165,7 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
             "cache_share": st.cache_share if st else None, "tokens_per_s": tps,
             "speedup": tps / base if base else None, "engines": engines,
             "quality": _quality(sweep, name),
+            "eval_args": f"--lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 --haystack prose",
             "eval": (f"kvlab niah --endpoint {endpoint_hint} --lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 "
                      f"--haystack prose"),
         })
@@ -125,8 +174,8 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
 
 def markdown(rows: list[dict]) -> str:
     """The decision table as Markdown (numbers rounded for reading)."""
-    head = ("| format | bits | cache / GPU | fits | most sequences | step | tokens/s | vs first | "
-            "passkey (SmolLM2, longest) | perplexity | engines |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    head = ("| format | bits | cache / GPU | fits one GPU | most sequences | step | tokens/s | vs first | "
+            "passkey (SmolLM2, longest) | perplexity |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     out = [head]
     for r in rows:
         q = r["quality"]
@@ -135,12 +184,11 @@ def markdown(rows: list[dict]) -> str:
             qual, ppl = f"{em:.0%} at {q['longest_measured']:,}", f"{q['ppl_increase']:+.1%}"
         else:
             qual, ppl = "not measured", "—"
-        eng = "; ".join(f"{k}: `{v}`" for k, v in r["engines"].items()) or "none documented"
         step = f"{r['step_ms']:.1f} ms" if r["step_ms"] is not None else "—"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "—"
         out.append(f"| `{r['kv_format']}` | {r['bits_per_element']:.2f} | {r['cache_gib_per_gpu']:.1f} GiB | "
                    f"{'yes' if r['fits'] else '**no**'} | {r['max_concurrency']:,} | {step} | {r['tokens_per_s']:,.0f} | "
-                   f"{sp} | {qual} | {ppl} | {eng} |")
+                   f"{sp} | {qual} | {ppl} |")
     return "\n".join(out)
 
 
@@ -156,9 +204,12 @@ def throughput_curves(model, gpu, context: int, formats=DEFAULT_FORMATS, concurr
     return out
 
 
-def shortlist(rows: list[dict], reference: str = "fp32", tolerance: float = 0.12, max_ppl: float = 0.01) -> list[str]:
+def shortlist(rows: list[dict], reference: str = "fp32", tolerance: float = 0.12, max_ppl: float | None = None) -> list[str]:
     """Formats an engine offers whose measured passkey stays within ``tolerance`` of ``reference`` at every
-    measured length and whose perplexity cost is under ``max_ppl`` (chapter 4's sweep), in the rows' order."""
+    measured length and whose perplexity cost is under ``max_ppl`` (chapter 4's sweep), in the rows' order.
+    ``max_ppl`` defaults to the workbook's one perplexity bar, :data:`kvlab.results.PPL_TOLERANCE`."""
+    if max_ppl is None:
+        from .results import PPL_TOLERANCE as max_ppl
     picks = []
     for r in rows:
         q = r["quality"]

@@ -811,7 +811,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     """
     from . import budget as B
     from . import decide
-    from .results import LONG_SWEEPS, LongSweep, counts, load_sweep, wilson
+    from .results import LONG_SWEEPS, PPL_TOLERANCE, LongSweep, counts, load_sweep, wilson
+    from .roofline import MBU
 
     sweep = sweep if sweep is not None else load_sweep()
     per_point = {counts(sweep["formats"][f]["passkey"], length=n)[1] for f in sweep["formats"] for n in sweep["lengths"]}
@@ -820,9 +821,6 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     by = {r["kv_format"]: r for r in rows}
     bf, f8, i4 = by["bf16"], by["fp8_e4m3"], by["int4"]
     steps = [r["step_ms"] for r in rows]
-    none_fit = not any(r["fits"] for r in rows)
-    tp2 = {f: B.max_concurrency(model, context, f, gpu, weights, tp=2) for f in ("bf16", "fp8_e4m3", "int4")}
-    held_tp2 = [f for f, n in tp2.items() if n >= concurrency]
     curves = decide.throughput_curves(model, gpu, context, ["bf16", "fp8_e4m3", "int4"], CH6_CONCURRENCIES,
                                       weights_dtype=weights)
     one = {f: ys[0] for f, (xs, ys) in curves.items()}
@@ -834,18 +832,23 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     L = max(sweep["lengths"])
     lo, hi = wilson(CH6_LADDER_PROMPTS // 2, CH6_LADDER_PROMPTS)  # at 50% exact match: the widest interval
     short1 = {f: decide.step_time(model, 1, 4096, f, gpu, weights).seconds for f in ("bf16", "int4")}
-    names = {"bf16": "BF16", "fp8_e4m3": "FP8", "int4": "INT4"}
-    tp2_text = ", ".join(f"{names[f]} {n}" for f, n in tp2.items())
-    if none_fit:
-        clause = (f" No format here holds the whole load on one GPU. Across two with tensor parallelism (tp=2) they fit "
-                  f"{tp2_text} sequences: " + (f"{', '.join(names[f] for f in held_tp2)} would hold it; the others need more GPUs "
-                                              f"or a shorter context." if held_tp2 else "still short; use more GPUs or a shorter context."))
-    else:
-        clause = ""
+    plans = {f: decide.plan(model, gpu, context, concurrency, f, weights_dtype=weights) for f in formats}
+    eight = ["bf16", "fp8_e4m3", "fp8_e4m3_head", "fp8_e4m3_token", "int8", "int8_tensor", "q8_0", "lmdeploy-int8"]
+    noise = [decide._quality(sweep, f)["ppl_increase"] for f in eight if f in sweep["formats"]]
+    # the call: formats on the shortlist that chapter 4 never found worse on Gemma, with Gemma's perplexity
+    # under the bar too; of those, the fewest GPUs, then the lowest cost
+    safe = [f for f in picks if f != "bf16" and f in gemma["never"] and gemma["ppl"].get(f, 1) < PPL_TOLERANCE
+            and plans.get(f)]
+    call = min(safe, key=lambda f: (plans[f]["gpus"], plans[f]["usd_per_million_tokens"])) if safe else None
+    fewest_gpus = min(p["gpus"] for p in plans.values() if p)
+    at_fewest = [f for f, p in plans.items() if p and p["gpus"] == fewest_gpus]
     values = {
+        "plans": plans, "plans_md": _plans_md(plans, gemma, q, by), "mbu": MBU, "ppl_bar": PPL_TOLERANCE,
+        "noise_lo": min(noise), "noise_hi": max(noise), "call": call, "call_plan": plans.get(call) if call else None,
+        "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
         "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
         "model": model, "gpu": gpu, "context": context, "concurrency": concurrency,
-        "bf": bf, "f8": f8, "i4": i4, "step_lo": min(steps), "step_hi": max(steps), "one_gpu_clause": clause,
+        "bf": bf, "f8": f8, "i4": i4, "step_lo": min(steps), "step_hi": max(steps),
         "share1": share1, "small_gain": one["int4"] / one["bf16"], "gain8": at8["int4"] / at8["bf16"] if at8 else None,
         "full": full, "picks_md": ", ".join(f"`{p}`" for p in picks), "q": q, "L": L,
         "ladder_prompts": CH6_LADDER_PROMPTS, "half_width": 100 * (hi - lo) / 2,
@@ -869,7 +872,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(all(full[f] == by[f]["max_concurrency"] for f in full), full),
         "at one sequence the weights are most of the bytes read": _claim(share1 < 0.5, share1),
         "at 8 sequences INT4 is at least 1.5x BF16": _claim(values["gain8"] is not None and values["gain8"] >= 1.5, at8),
-        "no INT4 format an engine offers passes the 1% perplexity bar":
+        "no INT4 format an engine offers passes the perplexity bar":
             _claim(not ({"int4", "q4_0", "int4_tensor"} & set(picks)), picks),
         "FP8 E4M3 is on the shortlist": _claim("fp8_e4m3" in picks, picks),
         "vLLM, SGLang and TensorRT-LLM all offer FP8 E4M3":
@@ -886,8 +889,42 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "at 50 prompts a server the 95% interval is about ±13 points": _claim(12 < values["half_width"] < 14, (lo, hi)),
         "at one 4k sequence INT4 speeds a step up by less than 10%": _claim(values["short1_speedup"] < 1.1, short1),
         "chapter 4 ran the same number of prompts at every point": _claim(values["prompts_per_point"] is not None, per_point),
+        "every plan holds the whole load": _claim(all(p is None or p["replicas"] * p["per_replica"] >= concurrency
+                                                      for p in plans.values()), plans),
+        "the call needs fewer GPUs than BF16": _claim(call is not None and plans[call]["gpus"] < plans["bf16"]["gpus"],
+                                                      (call, plans.get(call))),
+        "no format on the fewest GPUs both passed every test and is offered by an engine":
+            _claim(call not in at_fewest, at_fewest),
+        "the perplexity bar is several times the spread of the 8-bit formats":
+            _claim(PPL_TOLERANCE > 5 * max(abs(min(noise)), abs(max(noise))), noise),
     }
     return Facts(values, claims)
+
+
+def _plans_md(plans: dict, gemma: dict, q: dict, by: dict) -> str:
+    """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk, vLLM flag."""
+    rows = ["| format | GPUs | layout | tokens/s | $ / M tokens | Gemma needle to 32k | perplexity SmolLM2 · Gemma | vLLM |",
+            "|---|---:|---|---:|---:|---|---|---|"]
+    for f, p in plans.items():
+        g = gemma["by"].get(f)
+        if f == "bf16" or f == "fp32":
+            needle = "reference"
+        elif g is None:
+            needle = "not measured"
+        else:
+            needle = "never worse" if not g["worse_at"] else f"worse at {', '.join(_k(n) for n in g['worse_at'])}"
+        sm = q.get(f, {})
+        ppl = (f"{sm['ppl_increase']:+.1%}" if sm.get("measured") else "—") + " · " + \
+            (f"{gemma['ppl'][f]:+.1%}" if f in gemma["ppl"] else "—")
+        flag = by[f]["engines"].get("vLLM")
+        flag = f"`{flag}`" if flag else "—"
+        if p is None:
+            rows.append(f"| `{f}` | over 64 | — | — | — | {needle} | {ppl} | {flag} |")
+            continue
+        layout = f"tp={p['tp']}" + (f" × {p['replicas']} replicas" if p["replicas"] > 1 else "")
+        rows.append(f"| `{f}` | {p['gpus']} | {layout} | {p['tokens_per_s']:,.0f} | ${p['usd_per_million_tokens']:.2f} | "
+                    f"{needle} | {ppl} | {flag} |")
+    return "\n".join(rows)
 
 
 CHAPTERS: dict[str, Callable[[], Facts]] = {"01_cache_budget": cache_budget, "03_triton_attention": triton_attention, "04_where_int4_breaks": where_int4_breaks,

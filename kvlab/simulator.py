@@ -31,6 +31,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from . import budget as B
+from .roofline import MBU, MFU
 
 
 @dataclass
@@ -95,8 +96,8 @@ class CostModel:
     weights_bytes: int
     peak_flops: float
     bandwidth: float
-    mfu: float = 0.5
-    mbu: float = 0.7
+    mfu: float = MFU  # kvlab.roofline: the workbook's one efficiency assumption
+    mbu: float = MBU
 
     def step_seconds(self, prefill_tokens: int, decode_cache_bytes: float, decoding: bool) -> float:
         t = 2 * self.params * prefill_tokens / (self.peak_flops * self.mfu)

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 
 from . import budget as B
 from .formats import get_format
+from .results import PPL_TOLERANCE
 from .simulator import cost_table_html
 
 GiB = 1024**3
@@ -376,7 +377,7 @@ class CostQualityTable(_Panel):
 
     def __init__(self, requests, model, gpu, formats, quality: dict, threshold: float = 0.9, gpu_hour_usd=None,
                  reference: dict | float | None = None, perplexity: dict[str, float] | None = None,
-                 max_ppl_increase: float = 0.05):
+                 max_ppl_increase: float = PPL_TOLERANCE):
         from .simulator import cost_table
 
         missing = [f for f in formats if all(v is None for v in quality.get(str(f), {}).values())]

@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlab import budget as B
 from kvlab import decide, results
 
 
@@ -11,7 +12,9 @@ def test_step_time_is_a_roofline():
     a = decide.step_time("llama-3.1-8b", 1, 1024, "bf16", "H100-80GB")
     b = decide.step_time("llama-3.1-8b", 1, 1024, "int4", "H100-80GB")
     assert a.bound == "memory" and a.weights_bytes == b.weights_bytes and b.cache_bytes < a.cache_bytes / 3
-    assert a.seconds == pytest.approx((a.weights_bytes + a.cache_bytes) / 3.35e12)
+    assert a.seconds == pytest.approx((a.weights_bytes + a.cache_bytes) / (3.35e12 * 0.7))  # at roofline.MBU
+    assert decide.step_time("llama-3.1-8b", 1, 1024, "bf16", "H100-80GB", mbu=1.0).seconds == \
+        pytest.approx((a.weights_bytes + a.cache_bytes) / 3.35e12)
     big = decide.step_time("llama-3.1-8b", 4096, 16, "bf16", "H100-80GB")
     assert big.bound == "compute", "thousands of short sequences at once turn the step compute-bound"
     with pytest.raises(ValueError, match="mbu"):
@@ -53,3 +56,26 @@ def test_throughput_curves_end_where_the_pool_is_full():
     for f, (xs, ys) in curves.items():
         most = decide.B.max_concurrency("llama-3.1-8b", 32768, f, "H100-80GB")
         assert xs[-1] == most and len(xs) == len(ys) and ys == sorted(ys)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int4"])
+def test_plan_holds_the_load_on_the_fewest_gpus(fmt):
+    p = decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, fmt)
+    assert p["replicas"] * p["per_replica"] >= 64 and p["gpus"] == p["tp"] * p["replicas"]
+    for tp in decide.TP_SIZES:  # no layout on fewer GPUs holds it
+        room = B.max_concurrency("llama-3.1-8b", 32768, fmt, "H100-80GB", tp=tp)
+        for replicas in range(1, 64):
+            if tp * replicas < p["gpus"]:
+                assert replicas * room < 64, (tp, replicas, room)
+    assert p["tokens_per_s"] > 0 and p["usd_per_million_tokens"] > 0
+
+
+def test_plan_cost_follows_the_price_and_gives_up_past_max_gpus():
+    a = decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "fp8", gpu_hour_usd=2.0)
+    b = decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "fp8", gpu_hour_usd=4.0)
+    assert b["usd_per_million_tokens"] == pytest.approx(2 * a["usd_per_million_tokens"])
+    assert decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "bf16", max_gpus=2) is None
+    with pytest.raises(ValueError, match="concurrency"):
+        decide.plan("llama-3.1-8b", "H100-80GB", 32768, 0)
+    with pytest.raises(ValueError, match="max_gpus"):
+        decide.plan("llama-3.1-8b", "H100-80GB", 32768, 4, max_gpus=-1)
