@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .results import PPL_TOLERANCE
+
 
 class Facts(dict):
     """Values by name (a dict, so templates read them) plus ``claims``: sentence -> (holds, evidence)."""
@@ -675,7 +677,7 @@ CH5_FORMATS = ["bf16", "fp8_e4m3", "int4"]
 CH5_POOLS_GIB = [0.5, 1, 2, 4, 8, 16, 32, 64]
 CH5_QUALITY_FORMATS = ["bf16", "fp8_e4m3", "int4_token", "int4", "int4_tensor"]
 CH5_QUALITY_BAR = 0.9  # exact match at least 90% of full precision's, at each length
-CH5_PPL_LIMIT = 0.05  # perplexity at most 5% above full precision's
+CH5_PPL_LIMIT = PPL_TOLERANCE  # the workbook's one perplexity bar (kvlab.results)
 INT4_CACHES = ["int4", "lmdeploy-int4", "q4_0", "hf-int4"]  # the INT4 presets an engine might offer
 
 
@@ -746,7 +748,15 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
         "ppl": ppl, "L": L, "int4_token_at_L": quality["int4_token"][L], "bar_at_L": CH5_QUALITY_BAR * reference[L],
         "min_int4_ppl": min(ppl[f] for f in int4_rows), "prompts_per_cell": next(iter(prompts)) if len(prompts) == 1 else None,
         "prompt_points": 100 / next(iter(prompts)),
+        # the seed's "quality-adjusted cost": the price of a million tokens at the quality you accept, i.e. the
+        # cheapest row that passes both columns (the cheapest row of all may not)
+        "qa": min(both, key=lambda f: by_fmt[f]["usd_per_m_tokens"]) if both else None,
+        "qa_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in both) if both else None,
+        "bf16_usd": by_fmt["bf16"]["usd_per_m_tokens"],
+        "cheapest": min(fmts, key=lambda f: by_fmt[f]["usd_per_m_tokens"]),
+        "cheapest_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in fmts),
     }
+    values["qa_saving"] = 1 - values["qa_usd"] / values["bf16_usd"] if both else None
     claims = {
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
             _claim(1.99 < values["fp8_blocks_x"] < 2.01 and 3.5 < values["int4_blocks_x"] < 3.6, blocks),
@@ -789,6 +799,9 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
             _claim(values["int4_token_at_L"] >= values["bar_at_L"] - 1e-12
                    > values["int4_token_at_L"] - 1 / values["prompts_per_cell"]),
         "admitting any INT4 row needs a perplexity limit of 10% or more": _claim(values["min_int4_ppl"] > 0.10),
+        "the quality-adjusted price is FP8's, below BF16's and above the cheapest row's":
+            _claim(values["qa"] == "fp8_e4m3" and values["cheapest_usd"] < values["qa_usd"] < values["bf16_usd"],
+                   (values["qa"], values["qa_usd"], values["cheapest_usd"])),
     }
     return Facts(values, claims)
 
