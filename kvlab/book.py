@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import re
 import shutil
 import sys
 import time
@@ -29,6 +30,8 @@ NOTEBOOKS_DIR = ROOT / "notebooks"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 HIDE_INPUT = "hide-input"
+REMOVE = "remove-cell"  # set by prepare() on hidden cells that show nothing (the chapters' silent checks)
+PAGES = ("glossary", "bibliography")  # notebooks/<name>.md, one page each, linked from the chapters
 
 
 def chapters(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
@@ -75,6 +78,8 @@ def prepare(nb) -> dict:
             continue
         if HIDE_INPUT in cell.metadata.get("tags", []):
             cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
+            if not cell.get("outputs"):  # a check that held: nothing for the reader to see
+                cell.metadata["tags"] = [*cell.metadata.get("tags", []), REMOVE]
         for out in cell.get("outputs", []):
             data = out.get("data", {})
             if PLOTLY_MIME in data:
@@ -94,6 +99,12 @@ def prepare(nb) -> dict:
     return counts
 
 
+def _md_nb(path: Path):
+    import nbformat
+
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(Path(path).read_text(encoding="utf-8"))])
+
+
 def _json(value) -> str:
     import json
 
@@ -101,7 +112,7 @@ def _json(value) -> str:
 
 
 PAGE_CSS = """
-body { max-width: 60rem; margin: 0 auto; padding: 0 1rem; }
+body { max-width: 72rem; margin: 0 auto; padding: 0 1rem; }
 nav.kvlab-book { display: flex; justify-content: space-between; padding: 0.75rem 0; border-bottom: 1px solid #ddd;
                  font-family: system-ui, sans-serif; }
 nav.kvlab-book.bottom { border-top: 1px solid #ddd; border-bottom: none; }
@@ -123,6 +134,7 @@ def export(nb, page_title: str, prev=None, nxt=None) -> str:
     c = Config()
     c.TagRemovePreprocessor.enabled = True
     c.TagRemovePreprocessor.remove_input_tags = {HIDE_INPUT}
+    c.TagRemovePreprocessor.remove_cell_tags = {REMOVE}
     exporter = HTMLExporter(config=c, template_name="lab")
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": page_title}})
     head = f"<script src='plotly.min.js'></script><style>{PAGE_CSS}</style>"
@@ -130,7 +142,22 @@ def export(nb, page_title: str, prev=None, nxt=None) -> str:
     top, bottom = _nav(prev, nxt), _nav(prev, nxt, "bottom")
     i = body.index(">", body.index("<body")) + 1
     body = body[:i] + top + body[i:]
-    return body.replace("</body>", bottom + "</body>", 1)
+    return relink(body.replace("</body>", bottom + "</body>", 1))
+
+
+_LINK = re.compile(r"""href=(["'])(?:\./)?((?:\d\d_\w+\.ipynb)|(?:%s)\.md)(#[^"']*)?\1""" % "|".join(PAGES))
+
+
+def relink(page: str) -> str:
+    """Links between chapters (``02_x.ipynb``) and to the glossary and bibliography (``glossary.md``), as
+    written for JupyterLab, pointed at the book's own pages (``02_x.html``, ``glossary.html``)."""
+    return _LINK.sub(lambda m: f"href={m[1]}{Path(m[2]).stem}.html{m[3] or ''}{m[1]}", page)
+
+
+def markdown_page(path: Path, prev=None, nxt=None) -> str:
+    """A Markdown file of the notebooks folder (the glossary, the bibliography) as a book page."""
+    nb = _md_nb(path)
+    return export(nb, title(nb), prev, nxt)
 
 
 def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int = 900, progress: bool = True) -> dict:
@@ -164,10 +191,17 @@ def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int 
         if progress:
             print(f"  {p.name}: {counts['figures']} figures, {counts['widgets']} widget snapshots, "
                   f"{counts['seconds']:.0f} s", file=sys.stderr, flush=True)
+    extra = [NOTEBOOKS_DIR / f"{name}.md" for name in PAGES if (NOTEBOOKS_DIR / f"{name}.md").is_file()]
     pages = [(p.with_suffix(".html").name, t) for p, _, t in executed]
-    for i, (_, nb, t) in enumerate(executed):
-        page = export(nb, t, pages[i - 1] if i else None, pages[i + 1] if i + 1 < len(pages) else None)
-        (out / pages[i][0]).write_text(page)
+    pages += [(p.with_suffix(".html").name, title(_md_nb(p))) for p in extra]
+    for i, (name, t) in enumerate(pages):
+        prev, nxt = pages[i - 1] if i else None, pages[i + 1] if i + 1 < len(pages) else None
+        if i < len(executed):
+            page = export(executed[i][1], t, prev, nxt)
+        else:
+            page = markdown_page(extra[i - len(executed)], prev, nxt)
+            report[name] = {"title": t, "figures": 0, "widgets": 0}
+        (out / name).write_text(page)
     items = "\n".join(f"<li><a href='{name}'>{html.escape(t)}</a></li>" for name, t in pages)
     (out / "index.html").write_text(
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvlab: KV-cache quantization, measured</title>"

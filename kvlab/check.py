@@ -132,7 +132,9 @@ class MultipleChoice:
     def _ipython_display_(self):
         import html
 
-        items = "".join(f"<li>{html.escape(o)}</li>" for o in self.options)
+        # in the static book each option opens onto the feedback a reader would get for picking it
+        items = "".join(f"<li><details><summary>{html.escape(o)}</summary><p>{html.escape(self.choices[o])}</p>"
+                        f"</details></li>" for o in self.options)
         _show(self.widget(), _reveal_html(f"<b>{html.escape(self.question)}</b>", f"<ol type='a'>{items}</ol>",
                                           self._answer_html()))
 
@@ -283,12 +285,37 @@ class Solution:
                 f"<pre><code>{html.escape(self.source)}</code></pre></details>")
 
 
-def claims(checks: dict[str, object], *, show: bool = True) -> None:
+LEDGER: dict[str, None] = {}  # every claim checked in this kernel, in order (a chapter's ledger)
+
+
+def record(names) -> None:
+    """Note claims that held (for :func:`ledger`)."""
+    for n in names:
+        LEDGER[str(n)] = None
+
+
+def ledger_html() -> str:
+    import html
+
+    items = "".join(f"<li>{html.escape(c)}</li>" for c in LEDGER)
+    return (f"<details class='kvlab-ledger'><summary>✓ {len(LEDGER)} claims in this chapter checked against "
+            f"its data</summary><ul>{items}</ul></details>")
+
+
+def ledger() -> None:
+    """One collapsed line at the end of a chapter: how many of its claims were checked against the data,
+    with the list behind a click. The checks themselves print nothing; a failing one stops the chapter."""
+    from IPython.display import HTML, display
+
+    display(HTML(ledger_html()))
+
+
+def claims(checks: dict[str, object], *, show: bool = False) -> None:
     """Check every claim of a paragraph; raise ``AssertionError`` naming each one the data no longer supports.
 
     ``checks`` maps a claim, in words, to a truth value, or to ``(truth, detail)`` where
-    ``detail`` (the numbers involved) goes into the error. Prints one line when all hold
-    (unless ``show=False``); returns nothing, so a cell that ends with it displays no value.
+    ``detail`` (the numbers involved) goes into the error. Silent when all hold (they join the
+    chapter's :func:`ledger`; ``show=True`` prints a line); returns nothing.
     """
     if not isinstance(checks, dict) or not checks:
         raise ValueError("claims takes a non-empty dict {claim in words: truth or (truth, detail)}")
@@ -303,5 +330,6 @@ def claims(checks: dict[str, object], *, show: bool = True) -> None:
             failed.append(claim + ("" if detail is None else f" (got {detail})"))
     if failed:
         raise AssertionError("the data no longer supports: " + "; ".join(failed) + ". Update the text above.")
+    record(checks)
     if show:
         print(f"✓ {len(checks)} claim{'s' if len(checks) != 1 else ''} checked against the data")

@@ -66,6 +66,9 @@ def show(chapter: str, section: str, facts) -> None:
     check = getattr(facts, "check", None)
     if check is not None:
         check()
+        from .check import record
+
+        record(getattr(facts, "claims", {}))
     display(Markdown(render(chapter, section, facts)))
 
 

@@ -39,6 +39,31 @@ def test_prepare_turns_plotly_and_widgets_into_static_html():
     assert 'hl-ipython3' not in page, "the hide-input cell's code should be gone from the page"
 
 
+def test_silent_checks_vanish_and_links_point_at_pages():
+    nb = nbformat.v4.new_notebook()
+    check = nbformat.v4.new_code_cell("claims({'x': True})  # CHECK-CELL", metadata={"tags": ["hide-input"]})
+    nb.cells = [nbformat.v4.new_markdown_cell("# T\n\nSee [chapter 2](02_quantize_real_kv.ipynb#2.1) and the "
+                                              "[glossary](glossary.md#kl); [elsewhere](https://example.org/x.ipynb)."),
+                check]
+    book.prepare(nb)
+    page = book.export(nb, "T")
+    assert "CHECK-CELL" not in page, "a check with no output leaves no cell"
+    assert 'href="02_quantize_real_kv.html#2.1"' in page and 'href="glossary.html#kl"' in page
+    assert 'href="https://example.org/x.ipynb"' in page
+
+
+def test_glossary_and_bibliography_are_pages_with_the_anchors_chapters_link():
+    import re
+
+    anchors = set(re.findall(r'<a id="([\w-]+)">', (book.NOTEBOOKS_DIR / "glossary.md").read_text()))
+    used = set()
+    for p in [*book.chapters(), *sorted((book.NOTEBOOKS_DIR / "prose").glob("*.md"))]:
+        used |= set(re.findall(r"glossary\.md#([\w-]+)", p.read_text()))
+    assert used and used <= anchors, f"links to missing glossary entries: {used - anchors}"
+    page = book.markdown_page(book.NOTEBOOKS_DIR / "bibliography.md")
+    assert "<h1" in page and "KIVI" in page and "Contents" in page
+
+
 def test_build_refuses_bad_paths(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a folder"):
@@ -53,20 +78,26 @@ def test_build_refuses_bad_paths(tmp_path):
 def test_every_chapter_executes_into_the_book(built_book):
     out, report = built_book
     chapters = book.chapters()
-    assert sorted(report) == sorted(p.with_suffix(".html").name for p in chapters)
+    assert sorted(report) == sorted([p.with_suffix(".html").name for p in chapters] + [f"{n}.html" for n in book.PAGES])
     index = (out / "index.html").read_text()
     for page, r in report.items():
         text = (out / page).read_text()
         assert f"href='{page}'" in index, f"the contents page should link {page}"
         assert "Traceback (most recent call last)" not in text, f"{page} shows a traceback"
         assert text.count("Plotly.newPlot") >= r["figures"], page
+        assert ".ipynb" not in text.replace("executed/", "") or "href" not in text.split(".ipynb")[0][-200:], \
+            f"{page} links a notebook file the book does not have"
+        assert "claims checked against the data" not in text, f"{page} still prints a line per checked paragraph"
+        if "notebook" not in r:  # the glossary and the bibliography
+            continue
+        assert text.count("kvlab-ledger") == 1, f"{page}: one collapsed line of checked claims"
         nb = nbformat.read(book.NOTEBOOKS_DIR / r["notebook"], 4)
         for cell in nb.cells:
             if cell.cell_type == "code" and book.HIDE_INPUT in cell.metadata.get("tags", []):
                 first = cell.source.strip().splitlines()[0]
                 assert html.escape(first) not in text, f"{page}: a hide-input cell's code is visible: {first!r}"
     assert (out / "plotly.min.js").stat().st_size > 1_000_000
-    figures = {p: r["figures"] for p, r in report.items()}
+    figures = {p: r["figures"] for p, r in report.items() if "notebook" in r}
     assert all(n > 0 for p, n in figures.items() if not p.startswith("00_")), f"a chapter without figures: {figures}"
 
 
@@ -83,7 +114,7 @@ def test_the_book_shows_every_figure_in_a_browser(built_book):
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         try:
             for page_name, r in report.items():
-                page = browser.new_page(viewport={"width": 1200, "height": 900})
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
                 errors = []
                 page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
                 page.goto((out / page_name).as_uri())
@@ -95,6 +126,20 @@ def test_the_book_shows_every_figure_in_a_browser(built_book):
                 assert divs == r["figures"], f"{page_name}: {divs} figure divs, expected {r['figures']}"
                 assert drawn >= r["figures"], f"{page_name}: only {drawn} drawn of {r['figures']}"
                 assert not [e for e in errors if "Plotly" in e or "plotly" in e], f"{page_name}: {errors}"
+                # at 1280 px nothing is cut off: no output scrolls sideways, no axis title leaves its figure
+                cut = page.evaluate("""[...document.querySelectorAll('.jp-OutputArea-output, .jp-RenderedHTMLCommon')]
+                    .filter(e => e.scrollWidth > e.clientWidth + 2).map(e => e.innerText.slice(0, 80))""")
+                assert not cut, f"{page_name}: cut off at 1280 px: {cut}"
+                clipped = page.evaluate("""[...document.querySelectorAll('.plotly-graph-div')].flatMap(div => {
+                    const box = div.getBoundingClientRect();
+                    return [...div.querySelectorAll('.g-xtitle, .g-ytitle, .gtitle')].filter(t => {
+                        const r = t.getBoundingClientRect();
+                        return r.width && (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1);
+                    }).map(t => t.textContent.slice(0, 60)); })""")
+                assert not clipped, f"{page_name}: axis or figure titles clipped: {clipped}"
+                shots = out / "screenshots"
+                shots.mkdir(exist_ok=True)
+                page.screenshot(path=str(shots / page_name.replace(".html", ".png")), full_page=True)
                 page.close()
         finally:
             browser.close()

@@ -92,11 +92,43 @@ def test_widgets_build():
 
 
 def test_claims_names_what_fails(capsys):
+    from kvlab import check
+
     assert claims({"two is more than one": 2 > 1, "a tensor compare": torch.tensor(True)}) is None
-    assert "2 claims checked" in capsys.readouterr().out
+    assert capsys.readouterr().out == ""  # silent: the chapter's ledger collects it
+    assert "two is more than one" in check.LEDGER
+    claims({"shown": True}, show=True)
+    assert "1 claim checked" in capsys.readouterr().out
     with pytest.raises(AssertionError, match=r"one is more than two \(got 1 vs 2\); zero is true\. Update"):
         claims({"fine": True, "one is more than two": (1 > 2, "1 vs 2"), "zero is true": 0})
     with pytest.raises(ValueError, match="true or false"):
         claims({"many": torch.ones(3)})
     with pytest.raises(ValueError, match="non-empty"):
         claims({})
+
+
+def test_the_ledger_is_one_collapsed_line_listing_every_claim(capsys):
+    from kvlab import check
+
+    check.LEDGER.clear()
+    claims({"a": True, "b": True})
+    claims({"b": True, "c": True})  # a claim checked twice counts once
+    html = check.ledger_html()
+    assert html.startswith("<details") and "✓ 3 claims in this chapter" in html and html.count("<li>") == 3
+
+
+def test_quiz_snapshot_shows_each_option_with_its_feedback():
+    from kvlab.check import MultipleChoice
+
+    q = MultipleChoice("which?", {"right one": "Yes, because.", "wrong one": "No, because."}, answer="right one")
+    html = q.__class__.__dict__["_ipython_display_"]  # the snapshot is built there; render it by hand
+    import kvlab.check as c
+
+    seen = {}
+    old = c._show
+    c._show = lambda widget, snap: seen.setdefault("html", snap)
+    try:
+        html(q)
+    finally:
+        c._show = old
+    assert "<summary>wrong one</summary><p>No, because.</p>" in seen["html"]
