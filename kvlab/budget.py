@@ -39,7 +39,10 @@ GIB = 1 << 30  # memory is counted in GiB, as nvidia-smi (MiB), torch and vLLM's
 # what vLLM keeps out of its share for itself (vllm PR#10511: Llama-3-8B on an H100 with default flags,
 # non-torch memory 1.79 GiB + profiled activation peak 1.26 GiB); see engine_cache
 DEFAULT_RESERVE_GIB = 3.05
-WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
+# bits per weight, scales included as they are for the cache: INT4 weights carry an fp16 scale and zero per 128
+# (AWQ / GPTQ-style groups: 4 + 32/128); FP8 and INT8 scales are per tensor or channel (negligible). Every weight is
+# counted at this width; checkpoints that keep the embeddings and output layer in BF16 are a little larger.
+WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4.25}
 
 
 @dataclass(frozen=True)
@@ -402,13 +405,15 @@ class GPU:
     peak_bf16_flops: float = 0.0  # dense BF16 tensor-core peak, FLOP/s
     usd_per_hour: float | None = None  # one public list price, see price_source
     price_source: str = ""
+    nominal_gb: float = 0.0  # the vendor's figure ("141 GB"); memory_bytes is what the software reports
 
 
 def gpus() -> dict[str, GPU]:
     doc = json.loads((PRESETS / "gpus.json").read_text())["gpus"]
     return {
-        k: GPU(k, int(v["memory_gb"] * GIB), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12,
-               v.get("usd_per_hour"), v.get("price_source", ""))
+        # the total the software reports (GiB) where a log gives it, else the vendor's GB as 1e9 bytes
+        k: GPU(k, int(v["memory_gib"] * GIB) if "memory_gib" in v else int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12,
+               v.get("usd_per_hour"), v.get("price_source", ""), v["memory_gb"])
         for k, v in doc.items()
     }
 
@@ -484,9 +489,10 @@ def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: fl
 
 
 def max_concurrency(model, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
-                    tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1) -> int:
-    """Most sequences of ``context`` tokens whose cache fits beside the weights (0 if none)."""
-    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+                    tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1,
+                    reserve_gib: float = DEFAULT_RESERVE_GIB) -> int:
+    """Most sequences of ``context`` tokens whose cache fits beside the weights and the reserve (0 if none)."""
+    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization, reserve_gib=reserve_gib)
     per_seq = budget(model, 1, context, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu
     if f.free_for_cache_per_gpu <= 0:
         return 0

@@ -69,14 +69,18 @@ TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes within one 8-GPU node
 
 
 def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weights_dtype: str = "bf16",
-         max_gpus: int = 64, memory_utilization: float = 0.9, gpu_hour_usd: float | None = None) -> dict | None:
+         max_gpus: int = 64, memory_utilization: float = 0.9, gpu_hour_usd: float | None = None,
+         reserve_gib=B.DEFAULT_RESERVE_GIB) -> dict | None:
     """The fewest GPUs that hold ``concurrency`` sequences of ``context`` tokens in ``kv_format``.
 
     Tries every tensor-parallel size in :data:`TP_SIZES` that the model's heads split into, with as many
     replicas as it takes; the fewest GPUs wins, then the higher throughput. Throughput is the decode
     roofline at :data:`kvlab.roofline.MBU` (tensor-parallel communication not counted), each replica
     running its share of the load; cost is dollars per million generated tokens at the GPU's listed (or
-    the given) hourly price. ``None`` when no configuration of at most ``max_gpus`` GPUs holds the load.
+    the given) hourly price, every GPU busy decoding. ``reserve_gib`` is the engine's own memory per GPU
+    (see :func:`kvlab.budget.fit`): a number, or ``{tp: GiB}`` for a reserve that grows with tensor parallelism.
+    ``None`` when no configuration of at most ``max_gpus`` GPUs holds the load. ``spare``: sequences of room
+    left over (0: the load fills the pool exactly, no headroom).
     """
     context = B._positive_int("context", context)
     concurrency = B._positive_int("concurrency", concurrency)
@@ -85,7 +89,9 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     best = None
     for tp in TP_SIZES:
         try:
-            room = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+            reserve = reserve_gib.get(tp, max(reserve_gib.values())) if isinstance(reserve_gib, dict) else reserve_gib
+            room = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp,
+                                     memory_utilization=memory_utilization, reserve_gib=reserve)
         except ValueError as e:  # heads that do not split over tp ranks
             if "tp=" in str(e) or "divide" in str(e):
                 continue
@@ -102,6 +108,7 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
         if best is None or key < best[0]:
             best = (key, {"kv_format": name, "tp": tp, "replicas": replicas, "gpus": tp * replicas,
                           "per_replica": room, "batch_per_replica": batch, "step_ms": st.seconds * 1e3,
+                          "spare": replicas * room - concurrency,
                           "tokens_per_s": tps})
     if best is None:
         return None

@@ -44,7 +44,8 @@ def _claim(ok, evidence=None) -> tuple[bool, object]:
 # --------------------------------------------------------------------------- chapter 1
 
 CH1 = dict(model="llama-3.1-70b", gpu="H200", weights="fp8", chats=100, context=32768, utilization=0.9)
-CH1_LOG = "llama3-8b-a100-40gb"  # the published vLLM log chapter 1 reads line by line (the one with every term)
+CH1_LOG = "llama3-8b-a100-40gb"
+TP2_RESERVE_GIB = 3.58 + 1.26  # vllm PR#10511: the same 8B model at tensor parallel 2 (non-torch + activation peak)  # the published vLLM log chapter 1 reads line by line (the one with every term)
 
 
 def vllm_logs() -> list[dict]:
@@ -83,6 +84,7 @@ def cache_budget() -> Facts:
     """Chapter 1: the 70B headline in GiB with the engine's reserve, weights vs cache quantization side by
     side, and kvlab's engine model read against published vLLM start-up logs."""
     from . import budget as B
+    from .formats import engines_offering
 
     G, c = B.GIB, CH1
     fit = B.fit(c["model"], c["gpu"], c["weights"], memory_utilization=c["utilization"])
@@ -95,7 +97,9 @@ def cache_budget() -> Facts:
     misses = [x for x in logs if not x["within_rounding"]]
     w4_kv8, w8_kv4 = grid[("int4", "fp8_e4m3")], grid[("fp8", "int4")]
     values = {
-        **c, "gpu_gib": B.get_gpu(c["gpu"]).memory_bytes / G, "weights_gib": fit.weights_bytes_per_gpu / G,
+        **c, "gpu_gib": B.get_gpu(c["gpu"]).memory_bytes / G, "gpu_gb": B.get_gpu(c["gpu"]).nominal_gb,
+        "int4_cache_engines": names_md(sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})).replace("`", ""),
+        "int4_weight_bits": B.WEIGHT_BITS["int4"], "weights_gib": fit.weights_bytes_per_gpu / G,
         "usable_gib": fit.usable_bytes_per_gpu / G, "reserve_gib": fit.reserve_bytes_per_gpu / G,
         "free_gib": fit.free_for_cache_per_gpu / G, "chats_gib": chats / G, "chats_x": chats / fit.free_for_cache_per_gpu,
         "grid": grid, "w4_kv8": w4_kv8, "w8_kv4": w8_kv4, "w8_kv8": grid[("fp8", "fp8_e4m3")],
@@ -109,6 +113,7 @@ def cache_budget() -> Facts:
         "log_available_gib": B.engine_available_bytes(n["total_gib"], n["utilization"], n["weights_gib"],
                                                       n["non_torch_gib"] + n["activation_gib"]) / G,
         "log_concurrency": shown["logged_tokens"] / n["max_model_len"],
+        "tp2_reserve_gib": TP2_RESERVE_GIB,
         "rounding_tokens": 0.005 * G / shown["bytes_per_token"],
         "default_reserve_gib": B.DEFAULT_RESERVE_GIB,
         "logs_md": _logs_md(logs),
@@ -162,6 +167,9 @@ def triton_attention(decode_cpu: dict | None = None) -> Facts:
     mem = {f: (ctx[hi][f]["attend_peak_bytes"], ctx[hi][f]["layer_fp32_kv_bytes"]) for f in ["int8", "int4"]}
     tile = str(dec["tile_tokens"])
     r = {f: ctx[hi][f]["ratio_to_dynamic"] for f in ["int8", "fp8_e4m3", "int4"]}
+    # what the bytes model predicts for this CPU run: time ~ (fp32 weights + cache) read per token
+    w = B.weights_bytes(dec["model"], "fp32")
+    bp = {f: (w + ctx[hi][f]["cache_bytes"]) / (w + ctx[hi]["DynamicCache"]["cache_bytes"]) for f in r}
     aot = json.loads((RESULTS_DIR / "aot_compile.json").read_text())
     by_arch = {a: [row for row in aot["rows"] if str(row["arch"]) == a] for a in aot["archs"]}
     failed = {(row["variant"], row["arch"]) for row in aot["rows"] if not row["ok"]}
@@ -170,7 +178,8 @@ def triton_attention(decode_cpu: dict | None = None) -> Facts:
               "fp8_whole": whole["bf16"] / whole["fp8_e4m3"], "int4_whole": whole["bf16"] / whole["int4"],
               "context": CH3_CONTEXT, "dec": dec, "lo": int(lo), "hi": int(hi), "tile": dec["tile_tokens"],
               "int4_peak_mb": mem["int4"][0] / 1e6, "int4_fp32_mb": mem["int4"][1] / 1e6, "r": r,
-              "int8_lo": ctx[lo]["int8"]["ratio_to_dynamic"]}
+              "int8_lo": ctx[lo]["int8"]["ratio_to_dynamic"], "bp": bp, "weights_mb": w / 1e6,
+              "dyn_cache_mb": ctx[hi]["DynamicCache"]["cache_bytes"] / 1e6}
     claims = {
         "every format sits more than ten times below the tensor-core ridge point":
             _claim(all(st.intensity < st.ridge / 10 for st in steps.values())),
@@ -190,6 +199,9 @@ def triton_attention(decode_cpu: dict | None = None) -> Facts:
         "INT8 and FP8 within 1.3x of DynamicCache, INT4 within 1.5x":
             _claim(r["int8"] < 1.3 and r["fp8_e4m3"] < 1.3 and r["int4"] < 1.5, r),
         "INT4 decodes slower than INT8 although it reads half the bytes": _claim(r["int4"] > r["int8"], r),
+        "every quantized format took longer on this CPU than the bytes model predicts":
+            _claim(all(r[f] > bp[f] for f in r), (r, bp)),
+        "the bytes model predicts INT4 faster than DynamicCache here": _claim(bp["int4"] < 0.8, bp),
         "FP8 decodes slower than INT8 at about the same bytes": _claim(r["fp8_e4m3"] > r["int8"], r),
         "only native FP8 E4M3 before sm_89 fails to compile":
             _claim(all("fp8_e4m3" in v and arch < 89 for v, arch in failed), failed),
@@ -809,7 +821,7 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
 # --------------------------------------------------------------------------- chapter 6
 
 CH6_DEPLOYMENT = dict(model="llama-3.1-8b", gpu="H100-80GB", weights="bf16", context=32768, concurrency=64)
-CH6_FORMATS = ["bf16", "fp8_e4m3", "int8", "q8_0", "kivi-4", "int4", "q4_0", "int4_tensor"]
+CH6_FORMATS = ["bf16", "fp8_e4m3", "int8", "int8_tensor", "lmdeploy-int8", "q8_0", "kivi-4", "int4", "q4_0", "int4_tensor"]
 CH6_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CH6_LADDER_PROMPTS = 50  # prompts a server in the endpoint ladder of 6.4
 
@@ -846,7 +858,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     lo, hi = wilson(CH6_LADDER_PROMPTS // 2, CH6_LADDER_PROMPTS)  # at 50% exact match: the widest interval
     short1 = {f: decide.step_time(model, 1, 4096, f, gpu, weights).seconds for f in ("bf16", "int4")}
     plans = {f: decide.plan(model, gpu, context, concurrency, f, weights_dtype=weights) for f in formats}
-    eight = ["bf16", "fp8_e4m3", "fp8_e4m3_head", "fp8_e4m3_token", "int8", "int8_tensor", "q8_0", "lmdeploy-int8"]
+    # the same with the reserve vLLM logged at tensor parallel 2 on every GPU of a tensor-parallel group
+    grown = {1: B.DEFAULT_RESERVE_GIB, 2: TP2_RESERVE_GIB}
+    plans_grown = {f: decide.plan(model, gpu, context, concurrency, f, weights_dtype=weights, reserve_gib=grown)
+                   for f in formats}
+    eight = ["fp8_e4m3", "fp8_e4m3_head", "fp8_e4m3_token", "int8", "int8_tensor", "q8_0", "lmdeploy-int8"]
     noise = [decide._quality(sweep, f)["ppl_increase"] for f in eight if f in sweep["formats"]]
     # the call: formats on the shortlist that chapter 4 never found worse on Gemma, with Gemma's perplexity
     # under the bar too; of those, the fewest GPUs, then the lowest cost
@@ -857,7 +873,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     at_fewest = [f for f, p in plans.items() if p and p["gpus"] == fewest_gpus]
     values = {
         "plans": plans, "plans_md": _plans_md(plans, gemma, q, by), "mbu": MBU, "ppl_bar": PPL_TOLERANCE,
-        "noise_lo": min(noise), "noise_hi": max(noise), "call": call, "call_plan": plans.get(call) if call else None,
+        "noise_lo": min(noise), "noise_hi": max(noise), "e5m2_ppl": decide._quality(sweep, "fp8_e5m2")["ppl_increase"],
+        "plans_grown": plans_grown, "fp32_at_L": decide._quality(sweep, "fp32")["exact_match"][max(sweep["lengths"])], "tp2_reserve_gib": TP2_RESERVE_GIB, "reserve_gib": B.DEFAULT_RESERVE_GIB,
+        "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
         "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
         "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
         "model": model, "gpu": gpu, "context": context, "concurrency": concurrency,
@@ -908,6 +926,15 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                                                       (call, plans.get(call))),
         "no format on the fewest GPUs both passed every test and is offered by an engine":
             _claim(call not in at_fewest, at_fewest),
+        "BF16's plan has no spare room; the call's has": _claim(plans["bf16"]["spare"] == 0 and plans[call]["spare"] > 0,
+                                                                (plans["bf16"]["spare"], plans[call]["spare"])),
+        "a reserve that grows with tensor parallelism costs BF16 a GPU but not the call":
+            _claim(plans_grown["bf16"]["gpus"] > plans["bf16"]["gpus"] and plans_grown[call]["gpus"] == plans[call]["gpus"],
+                   (plans_grown["bf16"], plans_grown[call])),
+        "KIVI-4 passed every test and fits the fewest GPUs but no engine offers it":
+            _claim("kivi-4" in at_fewest and not by["kivi-4"]["engines"] and "kivi-4" in gemma["never"]),
+        "FP8 E5M2 costs more perplexity than any E4M3 or integer 8-bit format":
+            _claim(decide._quality(sweep, "fp8_e5m2")["ppl_increase"] > max(noise), noise),
         "the perplexity bar is several times the spread of the 8-bit formats":
             _claim(PPL_TOLERANCE > 5 * max(abs(min(noise)), abs(max(noise))), noise),
     }
@@ -916,8 +943,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
 
 def _plans_md(plans: dict, gemma: dict, q: dict, by: dict) -> str:
     """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk, vLLM flag."""
-    rows = ["| format | GPUs | layout | tokens/s | $ / M tokens | Gemma needle to 32k | perplexity SmolLM2 · Gemma | vLLM |",
-            "|---|---:|---|---:|---:|---|---|---|"]
+    rows = ["| format | GPUs | layout | spare | tokens/s | $ / M tokens | Gemma needle to 32k | perplexity SmolLM2 · Gemma "
+            "| offered by |", "|---|---:|---|---:|---:|---:|---|---|---|"]
     for f, p in plans.items():
         g = gemma["by"].get(f)
         if f == "bf16" or f == "fp32":
@@ -929,14 +956,13 @@ def _plans_md(plans: dict, gemma: dict, q: dict, by: dict) -> str:
         sm = q.get(f, {})
         ppl = (f"{sm['ppl_increase']:+.1%}" if sm.get("measured") else "—") + " · " + \
             (f"{gemma['ppl'][f]:+.1%}" if f in gemma["ppl"] else "—")
-        flag = by[f]["engines"].get("vLLM")
-        flag = f"`{flag}`" if flag else "—"
+        offered = ", ".join(by[f]["engines"]) or "no engine"
         if p is None:
-            rows.append(f"| `{f}` | over 64 | — | — | — | {needle} | {ppl} | {flag} |")
+            rows.append(f"| `{f}` | over 64 | — | — | — | — | {needle} | {ppl} | {offered} |")
             continue
         layout = f"tp={p['tp']}" + (f" × {p['replicas']} replicas" if p["replicas"] > 1 else "")
-        rows.append(f"| `{f}` | {p['gpus']} | {layout} | {p['tokens_per_s']:,.0f} | ${p['usd_per_million_tokens']:.2f} | "
-                    f"{needle} | {ppl} | {flag} |")
+        rows.append(f"| `{f}` | {p['gpus']} | {layout} | {p['spare']} | {p['tokens_per_s']:,.0f} | "
+                    f"${p['usd_per_million_tokens']:.2f} | {needle} | {ppl} | {offered} |")
     return "\n".join(rows)
 
 

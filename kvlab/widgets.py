@@ -169,7 +169,7 @@ class BudgetExplorer(_Panel):
                 self.curve.layout.shapes = [dict(type="line", x0=limit, x1=limit, yref="paper", y0=0, y1=1,
                                                  line=dict(color="gray", dash="dot"))] if limit else []
                 self.curve.layout.annotations = [dict(x=math.log10(limit), yref="paper", y=1, showarrow=False,
-                                                      text="the model's window", xanchor="right")] if limit else []
+                                                      text="context limit", xanchor="right")] if limit else []
                 self._curve_key = key
             self.curve.data[-1].x, self.curve.data[-1].y = [a["context"]], [a["batch"]]
         verdict = "fits" if m["fits"] else "does <b>not</b> fit"
