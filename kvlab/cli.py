@@ -249,8 +249,9 @@ def cmd_niah_endpoint(args) -> int:
             print(f"kvlab: error: {why}", file=sys.stderr)
             return 2
     try:
+        key = os.environ.get("OPENAI_API_KEY") or None  # a bearer token, as OpenAI's own clients read it
         eps = [E.Endpoint(u, model=args.endpoint_model, timeout=args.timeout, retries=args.retries,
-                           backoff=args.backoff)
+                           backoff=args.backoff, api_key=key)
                for u in [args.endpoint, *([args.compare] if args.compare else [])]]
         if len({e.url for e in eps}) < len(eps):
             raise ValueError("--endpoint and --compare are the same server")
@@ -444,7 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_int("--port", 0), default=8000)
     v.add_argument("--prefill", choices=["full", "cached"], default="full",
-                   help="full: a fresh prompt attends in full precision (as vLLM does); cached: it reads the quantized cache")
+                   help="full: a fresh prompt attends in full precision and only the stored cache is quantized "
+                        "(as transformers' QuantizedCache does); cached: it reads the quantized cache (as vLLM V1 "
+                        "and llama.cpp do)")
     v.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("serve-sim", help="replay a workload or trace through one replica's prefix-cached KV pool")

@@ -79,6 +79,9 @@ def base_url(url: str) -> str:
         raise ValueError(f"endpoint URL {url!r} has an invalid port") from None
     if parts.query or parts.fragment:
         raise ValueError(f"endpoint URL {url!r} must not carry a query or fragment")
+    if parts.username is not None or parts.password is not None:  # it would be written into the journal and --out
+        raise ValueError(f"endpoint URL for host {parts.hostname!r} must not carry credentials (user:password@); "
+                         "set OPENAI_API_KEY to send a bearer token")
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[:-3]
@@ -113,6 +116,10 @@ class Endpoint:
                                  f"{MAX_TIMEOUT_S:g} s, got {v!r}")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {self.retries!r}")
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not key.isascii() or not key.isprintable()
+                                or not key.strip() or len(key) > 4096):
+            raise ValueError("api_key (OPENAI_API_KEY) must be printable ASCII, up to 4,096 characters")
         self._client = None
 
     @property

@@ -115,6 +115,17 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def parse_request(self):
+        """As http.server does, except that a request without a version (HTTP/0.9, which would be answered with
+        no status line) gets a 400 in the API's JSON shape."""
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"  # so the error carries a status line
+            self.send_error(400, "HTTP/0.9 is not supported", "send 'METHOD /path HTTP/1.1'")
+            return False
+        return True
+
     def setup(self):
         super().setup()
         self.read_done = False  # set once the whole request is read; a client that drips it is cut off
@@ -363,7 +374,12 @@ class CompletionServer:
             raise RequestError(400, "'prompt' is empty")
         return ids
 
+    TOKENIZE_FIELDS = {"prompt", "content", "model", "add_special_tokens"}
+
     def tokenize(self, body: dict) -> dict:
+        if unknown := sorted(set(body) - self.TOKENIZE_FIELDS):
+            raise RequestError(400, f"/tokenize does not take {', '.join(map(repr, unknown))}; it takes 'prompt' "
+                                    "(vLLM) or 'content' (llama.cpp), and optionally 'model'")
         text = body.get("prompt", body.get("content"))
         if not isinstance(text, str):
             raise RequestError(400, "/tokenize takes {'prompt': text} (vLLM) or {'content': text} (llama.cpp)")

@@ -573,3 +573,13 @@ def test_bad_urls_timeouts_and_retry_after_values_are_clear_errors(stub):
     s.httpd.RequestHandlerClass._answer = answer
     with pytest.raises(E.EndpointError, match="HTTP 429"):
         E.Endpoint(s.url, model="stub", retries=1, backoff=0).complete("p")
+
+
+def test_credentials_never_ride_in_the_url():
+    with pytest.raises(ValueError, match="credentials") as e:
+        E.base_url("http://alice:s3cret@h:8000/v1")
+    assert "s3cret" not in str(e.value)
+    for bad in ("tok\nX-Evil: 1", "é", " ", 5):
+        with pytest.raises(ValueError, match="api_key"):
+            E.Endpoint("http://h:8000", api_key=bad)
+    assert E.Endpoint("http://h:8000", api_key="sk-abc").api_key == "sk-abc"

@@ -292,3 +292,11 @@ def test_a_burst_of_connections_is_not_dropped(srv):
     for t in threads:
         t.join(60)
     assert len(out) == 60 and set(out) <= {200, 503}
+
+
+def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
+    head = _raw(srv, b"GET /health\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 400 ") and b"HTTP/0.9" in head
+    r = _post(srv, {"prompt": "hi", "add_special_tokens": False, "bogus": 1}, path="/tokenize")
+    assert r.status_code == 400 and "'bogus'" in r.json()["error"]["message"]
+    assert _post(srv, {"prompt": "hi", "model": "tiny"}, path="/tokenize").json()["count"] >= 1
