@@ -30,7 +30,7 @@ from . import decode_attention as da
 from . import quantize_append as qa
 
 ARCHS = {80: "A100 (sm_80)", 89: "L4 / RTX 4090 (sm_89)", 90: "H100 / H200 (sm_90)"}
-CODE_TYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5", "bytes": "*u8"}
+CODE_TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5", "bytes": "*u8"}
 FP8_NATIVE_MIN_ARCH = 89
 
 
@@ -85,6 +85,41 @@ def _append(v: Variant):
     return qa._append_kernel, s, c
 
 
+HEAD_DIMS = (64, 128)  # the presets' specialisations are compiled at both
+
+
+def spec_key(v: Variant) -> tuple:
+    """What a variant compiles (its name aside)."""
+    return (v.kernel, v.codes, v.kind, v.symmetric, v.scale_mode, v.groups, v.scale, v.head_dim, v.gqa)
+
+
+def preset_variants() -> list[Variant]:
+    """Every specialisation a kvlab preset produces at head_dim 64 and 128, derived from the format itself
+    (:func:`kvlab.storage.kernel_spec`): the split kernel for each, and the append kernel where it applies
+    (not for q4_0's full-range rounding, which ``KVStore.append`` does on the host)."""
+    from ..formats import format_names, get_format
+    from ..storage import kernel_readable, kernel_spec
+
+    found: dict[tuple, tuple[Variant, list[str]]] = {}
+    for name in format_names():
+        f = get_format(name)
+        for q in dict.fromkeys((f.key, f.value)):
+            if not kernel_readable(q):
+                continue
+            for hd in HEAD_DIMS:
+                if q.granularity == "group" and q.group_axis == "channel" and hd % q.group_size:
+                    continue
+                sp = kernel_spec(q, hd)
+                kernels = ["split"] + ([] if q.full_range else ["append"])
+                for k in kernels:
+                    v = Variant(k, "", sp["codes"], sp["kind"], sp["symmetric"], sp["scale_mode"], sp["n_groups"],
+                                "*" + sp["scale"], hd)
+                    found.setdefault(spec_key(v), (v, []))[1].append(name)
+    return [Variant(v.kernel, f"{v.kernel} {'/'.join(dict.fromkeys(names))} (head_dim {v.head_dim})", *[
+        getattr(v, f) for f in ("codes", "kind", "symmetric", "scale_mode", "groups", "scale", "head_dim", "gqa")])
+        for v, names in found.values()]
+
+
 def variants() -> list[Variant]:
     """Every kernel specialisation kvlab's presets produce (per-tensor, per-token and grouped scales, every
     element type, two head_dims and three GQA ratios where they change the code)."""
@@ -113,7 +148,9 @@ def variants() -> list[Variant]:
         Variant("append", "append int4 per token", "bytes", 3, True, 2),
         Variant("append", "append fp8_e4m3 per token", "fp8_e4m3", 1, scale_mode=2),
     ]
-    return split + merge + append
+    hand = split + merge + append
+    have = {spec_key(v) for v in hand}
+    return hand + [v for v in preset_variants() if spec_key(v) not in have]
 
 
 def compile_variant(v: Variant, arch: int) -> dict:
@@ -135,14 +172,23 @@ def expected_to_fail(v: Variant, arch: int) -> bool:
     return v.needs_e4m3 and arch < FP8_NATIVE_MIN_ARCH
 
 
-def matrix(archs=tuple(ARCHS)) -> list[dict]:
-    """Compile every variant for every architecture."""
-    out = []
-    for v in variants():
-        for arch in archs:
-            out.append({"kernel": v.kernel, "variant": v.name, "arch": arch, "expected_to_fail": expected_to_fail(v, arch),
-                        **compile_variant(v, arch)})
-    return out
+def _row(job: tuple[Variant, int]) -> dict:
+    v, arch = job
+    return {"kernel": v.kernel, "variant": v.name, "arch": arch, "expected_to_fail": expected_to_fail(v, arch),
+            "spec": list(spec_key(v)), **compile_variant(v, arch)}
+
+
+def matrix(archs=tuple(ARCHS), workers: int | None = None) -> list[dict]:
+    """Compile every variant for every architecture, one compiler process per core."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(v, arch) for v in variants() for arch in archs]
+    workers = workers or os.cpu_count() or 1
+    if workers == 1:
+        return [_row(j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_row, jobs, chunksize=4))
 
 
 def main(argv=None) -> list[dict]:

@@ -354,20 +354,26 @@ class KVStore:
         return f"KVStore({self.q.element}, {self.q.granularity}, tokens={self.tokens}, capacity={self.capacity})"
 
 
+def kernel_spec(q: Quantizer, head_dim: int) -> dict:
+    """The kernels' compile-time description of ``q``'s storage at ``head_dim``: ``kind``, ``symmetric``,
+    ``scale_mode``, ``n_groups`` (scale groups per token), and the element types of the codes and scales
+    (``codes``: "fp16", "bf16", "fp8_e4m3", "fp8_e5m2" or "bytes"; ``scale``: "fp16" or "fp32"). The one
+    place these numbers are derived: the cache passes them to the kernels, and the ahead-of-time
+    compile matrix (kvlab.kernels.aot) compiles every one a preset produces."""
+    check_kernel_readable(q)
+    kind = "float" if q.is_passthrough else "fp8" if q.kind == "fp8" else f"int{q.bits}"
+    mode = "none" if q.is_passthrough else "tensor" if q.granularity == "tensor" else "token"
+    groups = head_dim // q.group_size if (mode == "token" and q.granularity == "group") else 1
+    codes = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3",
+             "float8_e5m2": "fp8_e5m2"}.get(q.element, "bytes")
+    return dict(kind=KERNEL_KINDS[kind], symmetric=q.symmetric or q.kind != "int", scale_mode=SCALE_MODES[mode],
+                n_groups=groups, codes=codes, scale=f"fp{q.scale_bits}")
+
+
 def kernel_args(store: KVStore) -> dict:
     """The decode and append kernels' compile-time description of ``store``'s quantizer."""
-    check_kernel_readable(store.q)
-    q = store.q
-    kind = "float" if q.is_passthrough else "fp8" if q.kind == "fp8" else f"int{q.bits}"
-    if q.is_passthrough:
-        mode = "none"
-    elif q.granularity == "tensor":
-        mode = "tensor"
-    else:
-        mode = "token"
-    groups = store.scale.shape[-1] if mode == "token" else 1
-    return dict(kind=KERNEL_KINDS[kind], symmetric=q.symmetric or q.kind != "int", scale_mode=SCALE_MODES[mode],
-                n_groups=groups)
+    spec = kernel_spec(store.q, store.head_dim)
+    return {k: spec[k] for k in ("kind", "symmetric", "scale_mode", "n_groups")}
 
 
 def _frozen(name: str, value, shape: tuple, dtype: torch.dtype, device, *, positive: bool) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 
 # Only look for triton here: importing it in this process before kvlab.kernels sets TRITON_INTERPRET=1
 # would make every later kernel test compile for a GPU instead of interpreting.
-pytestmark = [pytest.mark.slow,  # about two minutes: ~70 compilations
+pytestmark = [pytest.mark.slow,  # a few minutes: about 210 compilations, one compiler process per core
               pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")]
 
 
@@ -30,5 +30,19 @@ def test_every_variant_compiles_for_every_arch(tmp_path):
         assert row["ok"], f"{name} does not compile: {row['error']}"
         assert not row["local_memory"], f"{name} spills registers to local memory"
         assert row["shared_bytes"] <= 99 * 1024, f"{name} needs {row['shared_bytes']} B of shared memory"
+    # the matrix covers what every preset produces at head_dim 64 and 128, derived here from the formats
+    from kvlab.formats import format_names, get_format
+    from kvlab.storage import kernel_readable, kernel_spec
+
+    compiled = {tuple(r["spec"]) for r in rows}
+    for name in format_names():
+        q = get_format(name).value
+        for hd in (64, 128):
+            if not kernel_readable(q) or (q.granularity == "group" and hd % q.group_size):
+                continue
+            sp = kernel_spec(q, hd)
+            want = ("split", sp["codes"], sp["kind"], sp["symmetric"], sp["scale_mode"], sp["n_groups"],
+                    "*" + sp["scale"], hd, 4)
+            assert want in compiled, f"{name} at head_dim {hd} is never compiled: {want}"
     bytes_on_a100 = [r for r in rows if r["arch"] == 80 and "as bytes" in r["variant"]]
     assert bytes_on_a100 and all(r["ok"] for r in bytes_on_a100), "the sm_80 FP8 path must compile"
