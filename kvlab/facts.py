@@ -836,6 +836,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     """
     from . import budget as B
     from . import decide
+    from .formats import get_format
     from .results import LONG_SWEEPS, PPL_TOLERANCE, LongSweep, counts, load_sweep, wilson
     from .roofline import MBU
 
@@ -874,6 +875,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     values = {
         "plans": plans, "plans_md": _plans_md(plans, gemma, q, by), "mbu": MBU, "ppl_bar": PPL_TOLERANCE,
         "noise_lo": min(noise), "noise_hi": max(noise), "e5m2_ppl": decide._quality(sweep, "fp8_e5m2")["ppl_increase"],
+        "nvfp4_bits": get_format("nvfp4").bits_per_element(128),
         "plans_grown": plans_grown, "fp32_at_L": decide._quality(sweep, "fp32")["exact_match"][max(sweep["lengths"])], "tp2_reserve_gib": TP2_RESERVE_GIB, "reserve_gib": B.DEFAULT_RESERVE_GIB,
         "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
         "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
@@ -933,6 +935,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                    (plans_grown["bf16"], plans_grown[call])),
         "KIVI-4 passed every test and fits the fewest GPUs but no engine offers it":
             _claim("kivi-4" in at_fewest and not by["kivi-4"]["engines"] and "kivi-4" in gemma["never"]),
+        "NVFP4 is in neither of chapter 4's needle sweeps": _claim("nvfp4" not in sweep["formats"] and "nvfp4" not in gemma["by"]),
         "FP8 E5M2 costs more perplexity than any E4M3 or integer 8-bit format":
             _claim(decide._quality(sweep, "fp8_e5m2")["ppl_increase"] > max(noise), noise),
         "the perplexity bar is several times the spread of the 8-bit formats":

@@ -38,6 +38,7 @@ ELEMENTS = {
     "bfloat16": (16, "float"),
     "float8_e4m3fn": (8, "fp8"),
     "float8_e5m2": (8, "fp8"),
+    "float4_e2m1": (4, "fp4"),  # NVFP4's element: sign, 2 exponent bits, 1 mantissa bit (0, 0.5, ..., 6)
     "int8": (8, "int"),
     "int4": (4, "int"),
     "int2": (2, "int"),
@@ -53,7 +54,7 @@ class Quantizer:
     group_size: int | None = None
     group_axis: str = "channel"
     symmetric: bool = True
-    scale_bits: int = 16  # bits of each stored scale (fp16 = 16, fp32 = 32)
+    scale_bits: int = 16  # bits of each stored scale (fp16 = 16, fp32 = 32, FP8 E4M3 = 8)
     full_range: bool = False  # symmetric ints use -2^(b-1)..2^(b-1)-1 (llama.cpp q4_0), not +-(2^(b-1)-1)
 
     def __post_init__(self):
@@ -66,8 +67,10 @@ class Quantizer:
                 raise ValueError(f"group granularity needs a positive integer group_size, got {self.group_size!r}")
             if self.group_axis not in ("channel", "token"):
                 raise ValueError(f"group_axis must be 'channel' or 'token', got {self.group_axis!r}")
-        if self.scale_bits not in (16, 32):
-            raise ValueError(f"scale_bits must be 16 or 32, got {self.scale_bits!r}")
+        if self.scale_bits not in (8, 16, 32):
+            raise ValueError(f"scale_bits must be 8 (FP8 E4M3), 16 or 32, got {self.scale_bits!r}")
+        if self.kind == "fp4" and (self.granularity != "group" or self.group_axis != "channel" or not self.symmetric):
+            raise ValueError("FP4 values need symmetric scales in groups along head_dim (NVFP4: 16 values a scale)")
 
     @property
     def bits(self) -> int:
@@ -219,6 +222,11 @@ for _fmt in (
     _same("hf-int2", _q("int2", "group", 64, symmetric=False), residual=128,
           source="transformers QuantizedCache (quanto backend): nbits=2, q_group_size=64, residual_length=128 "
                  "(transformers docs, 'KV cache strategies')"),
+    _same("nvfp4", _q("float4_e2m1", "group", 16, scale_bits=8),
+          source="NVIDIA NVFP4: FP4 E2M1 values in blocks of 16, one FP8 E4M3 scale a block (4.5 bits), plus one fp32 "
+                 "scale per tensor that kvlab omits (NVIDIA's format as tabled in Intel Neural Compressor's 'NVFP4 "
+                 "Quantization'); TensorRT-LLM's 'NVFP4 KV Cache' (Blackwell, a checkpoint quantized offline with "
+                 "ModelOpt) and SGLang's FP4 KV cache"),
     _same("lmdeploy-int8", _q("int8", "token", symmetric=False),
           source="LMDeploy quant_policy=8: asymmetric INT8 per token and head with scale and zero point "
                  "(LMDeploy docs, 'INT4/INT8 KV Cache')"),

@@ -43,7 +43,9 @@ from .formats import KVFormat, Quantizer, get_format
 
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SCALE_DTYPES = {16: torch.float16, 32: torch.float32}
+SCALE_DTYPES = {8: torch.float8_e4m3fn, 16: torch.float16, 32: torch.float32}
+# FP4 E2M1's magnitudes, by the 3 low bits of a code (the 4th is the sign)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass
@@ -86,8 +88,8 @@ def _check_input(x: torch.Tensor, q: Quantizer) -> None:
         axis = "head_dim (last axis)" if q.group_axis == "channel" else "tokens (second-to-last axis)"
         if n % q.group_size:
             raise ValueError(f"group_size={q.group_size} does not divide {axis} of length {n}")
-    if q.kind == "int" and q.bits < 8 and dim % (8 // q.bits):
-        raise ValueError(f"INT{q.bits} packs {8 // q.bits} values per byte: head_dim must be a multiple "
+    if q.kind in ("int", "fp4") and q.bits < 8 and dim % (8 // q.bits):
+        raise ValueError(f"{q.bits}-bit codes pack {8 // q.bits} values per byte: head_dim must be a multiple "
                          f"of {8 // q.bits}, got {dim}")
 
 
@@ -119,7 +121,8 @@ def _store_scale(s: torch.Tensor, q: Quantizer) -> torch.Tensor:
     dt = SCALE_DTYPES[q.scale_bits]
     fin = torch.finfo(dt)
     s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero group -> scale 1
-    return s.clamp(min=fin.smallest_normal if dt == torch.float32 else 2.0**-24, max=fin.max).to(dt)
+    tiny = {torch.float32: fin.smallest_normal, torch.float16: 2.0**-24, torch.float8_e4m3fn: 2.0**-9}[dt]
+    return s.clamp(min=tiny, max=fin.max).to(dt)
 
 
 def _sanitize(x: torch.Tensor) -> torch.Tensor:
@@ -202,6 +205,11 @@ def quantize(x: torch.Tensor, q: Quantizer, *, scale: torch.Tensor | None = None
         y = (view / scale.float()).clamp(-fmax, fmax)
         return QTensor(y.to(fdt).reshape(shape), scale, None, shape, q, dtype)
 
+    if q.kind == "fp4":
+        if scale is None:  # the block's largest magnitude maps to E2M1's largest value, 6
+            scale = _store_scale(_amax(stats, dims) / FP4_VALUES[-1], q)
+        return QTensor(_pack(fp4_encode((view / scale.float()).reshape(shape)), 4), scale, None, shape, q, dtype)
+
     b = q.bits
     if q.symmetric:
         qmax = 2 ** (b - 1) - 1
@@ -227,6 +235,25 @@ def quantize(x: torch.Tensor, q: Quantizer, *, scale: torch.Tensor | None = None
     return QTensor(_pack(codes, b), scale, zero, shape, q, dtype)  # codes are in range by construction
 
 
+def fp4_encode(y: torch.Tensor) -> torch.Tensor:
+    """The FP4 E2M1 codes (uint8, 0-15: sign in bit 3) nearest to ``y``, ties to an even mantissa as NVIDIA's
+    conversion rounds; magnitudes past 6 saturate."""
+    grid = torch.tensor(FP4_VALUES, device=y.device)
+    mag = y.abs().clamp(max=FP4_VALUES[-1])
+    mid = (grid[1:] + grid[:-1]) / 2
+    idx = torch.bucketize(mag, mid)  # a value on a midpoint goes to the lower neighbour...
+    tie = (idx < len(mid)) & (mag == mid[idx.clamp(max=len(mid) - 1)])
+    idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)  # ...unless that one has an odd mantissa
+    return (idx + 8 * (y < 0)).to(torch.uint8)
+
+
+def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Float32 values of FP4 E2M1 codes."""
+    grid = torch.tensor(FP4_VALUES, device=codes.device)
+    mag = grid[(codes & 7).long()]
+    return torch.where(codes >= 8, -mag, mag)
+
+
 def _signed_absmax(x, dims):
     """The value of largest magnitude in each group, with its sign."""
     flat = x.movedim(dims, tuple(range(-len(dims), 0))) if dims else x
@@ -246,6 +273,9 @@ def dequantize(qt: QTensor) -> torch.Tensor:
         return qt.data.to(qt.dtype)
     if q.kind == "fp8":
         view, _ = _grouped(qt.data.float(), q)
+        return (view * qt.scale.float()).reshape(qt.shape).to(qt.dtype)
+    if q.kind == "fp4":
+        view, _ = _grouped(fp4_decode(unpack_int(qt.data, 4)), q)
         return (view * qt.scale.float()).reshape(qt.shape).to(qt.dtype)
     codes = unpack_int(qt.data, q.bits).float()
     view, _ = _grouped(codes, q)

@@ -44,6 +44,8 @@ def kernel_unreadable(q: Quantizer) -> str | None:
         return f"{axis}: the kernel reads per-tensor, per-token or channel-grouped scales"
     if q.kind == "int" and q.bits not in (4, 8):
         return f"INT{q.bits}: the kernel reads INT8 and INT4"
+    if q.kind == "fp4":
+        return "FP4 (NVFP4): the kernel reads FP8, INT8 and INT4 codes, not E2M1"
     return None
 
 
@@ -108,7 +110,7 @@ class KVStore:
         return kernel_readable(self.q)
 
     def _code_width(self, head_dim: int) -> int:
-        return head_dim * self.q.bits // 8 if self.q.kind == "int" else head_dim
+        return head_dim * self.q.bits // 8 if self.q.kind in ("int", "fp4") else head_dim
 
     def _code_dtype(self):
         q = self.q

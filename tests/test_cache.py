@@ -116,7 +116,7 @@ def test_fused_rejects_formats_the_kernel_cannot_read(tiny_llama):
         KVQuantCache("kivi-2", kernel=True)
 
 
-FORMATS = ["fp32", "fp8_e4m3", "int8", "int4", "q4_0", "kivi-2", "hf-int4", "int4_tensor", "int4_token"]
+FORMATS = ["fp32", "fp8_e4m3", "int8", "int4", "q4_0", "kivi-2", "hf-int4", "int4_tensor", "int4_token", "nvfp4"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -184,3 +184,46 @@ def test_empty_input_is_a_clear_error():
     for name in format_names():
         with pytest.raises(ValueError, match="nothing to quantize"):
             quantize(torch.empty(1, 2, 0, 64), get_format(name).key)
+
+
+# --------------------------------------------------------------------------- NVFP4
+
+def test_fp4_rounds_to_the_nearest_e2m1_value_ties_to_even():
+    from kvlab.quant import FP4_VALUES, fp4_decode, fp4_encode
+
+    grid = torch.tensor(FP4_VALUES)
+    xs = torch.linspace(-7, 7, 14001)
+    got = fp4_decode(fp4_encode(xs))
+    mag = xs.abs().clamp(max=6)
+    dist = (mag[:, None] - grid[None, :]).abs()
+    best = dist.min(dim=1).values
+    assert torch.allclose((got.abs() - mag).abs(), best), "never farther than the nearest grid value"
+    assert (torch.sign(got) == torch.sign(xs))[got != 0].all()
+    # on a midpoint the even mantissa wins (0, 1, 2, 4 rather than 0.5, 1.5, 3, 6), as NVIDIA's conversion rounds
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    assert fp4_decode(fp4_encode(mids)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert fp4_decode(fp4_encode(torch.tensor([1e9, -1e9]))).tolist() == [6.0, -6.0]
+
+
+@given(st.integers(0, 2**31 - 1), st.floats(1e-3, 1e3))
+@settings(max_examples=40)
+def test_nvfp4_error_is_within_half_a_step_of_its_block(seed, spread):
+    """Each value lands within the largest half-step of its block (1 x the block scale, between 4 and 6),
+    plus what saturation loses when the FP8 scale rounds down."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 8, 64, generator=g) * spread
+    q = get_format("nvfp4").key
+    qt = quantize(x, q)
+    err = (dequantize(qt) - x).abs().reshape(2, 3, 8, 4, 16)
+    scale = qt.scale.float().reshape(2, 3, 8, 4, 1)
+    amax = x.abs().reshape(2, 3, 8, 4, 16).amax(-1, keepdim=True)
+    bound = scale + (amax - 6 * scale).clamp(min=0) + 1e-6 * amax
+    assert (err <= bound).all()
+    assert qt.scale.dtype == torch.float8_e4m3fn and get_format("nvfp4").bits_per_element(128) == 4.5
+
+
+def test_fp4_needs_symmetric_channel_groups():
+    with pytest.raises(ValueError, match="FP4"):
+        Quantizer("float4_e2m1", "token")
+    with pytest.raises(ValueError, match="scale_bits"):
+        Quantizer("int4", "group", 16, scale_bits=12)
