@@ -100,8 +100,10 @@ def load_shape(model) -> ModelShape:
 
 
 def _mtime(model) -> float:
-    path = Path(model)
-    return path.stat().st_mtime if path.exists() else 0.0
+    try:
+        return Path(model).stat().st_mtime
+    except (OSError, ValueError):  # missing, a name too long for the file system, a NUL byte: not a file
+        return 0.0
 
 
 @functools.lru_cache(maxsize=64)
@@ -139,11 +141,15 @@ def _load_shape(model) -> ModelShape:
             name, source, n_params = doc["name"], doc["source"], doc.get("num_parameters")
         else:
             path = Path(model)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
+            try:
+                if path.is_dir():
+                    path = path / "config.json"
+                readable = path.is_file()
+            except OSError:  # a name too long for the file system, and its relatives
+                readable = False
+            if not readable:
                 raise ValueError(
-                    f"model {str(model)!r} is neither a preset ({', '.join(preset_names())}) "
+                    f"model {str(model)[:200]!r} is neither a preset ({', '.join(preset_names())}) "
                     f"nor a readable config.json path"
                 )
             if path.stat().st_size > MAX_CONFIG_BYTES:
@@ -361,6 +367,10 @@ def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, bl
     """
     shape = load_shape(model)
     fmt = get_format(kv_format)
+    present = {"sliding_attention" if layer.window else "full_attention" for layer in shape.layers}
+    if missing := [t for t, _ in fmt.layers if t not in present]:
+        raise ValueError(f"kv_format {fmt.name!r} quantizes {missing[0].replace('_', ' ')} layers; "
+                         f"{shape.name} has none")
     batch = _positive_int("batch", batch)
     context = _positive_int("context", context, zero_ok=True)
     tp = _positive_int("tp", tp)
@@ -447,7 +457,7 @@ MAX_HOURLY_USD = 1e6  # a thousand times any listed rate
 
 def weights_bytes(model, weights_dtype: str = "bf16") -> int:
     """Bytes of the model's weights in ``weights_dtype`` (scales of quantized weights ignored)."""
-    if weights_dtype not in WEIGHT_BITS:
+    if not isinstance(weights_dtype, str) or weights_dtype not in WEIGHT_BITS:
         raise ValueError(f"weights dtype must be one of {', '.join(WEIGHT_BITS)}, got {weights_dtype!r}")
     shape = load_shape(model)
     if not shape.num_parameters:
@@ -475,7 +485,8 @@ def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: fl
     what the engine keeps for itself (its profiled activation peak and memory torch does not manage;
     3.05 GiB by default, as vLLM logged for Llama-3-8B on an H100, vllm PR#10511).
     """
-    if not isinstance(memory_utilization, int | float) or not 0 < memory_utilization <= 1:
+    if isinstance(memory_utilization, bool) or not isinstance(memory_utilization, int | float) \
+            or not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
     if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, int | float) or not 0 <= reserve_gib <= 1e6:
         raise ValueError(f"reserve_gib must be a number of GiB, 0 or more, got {reserve_gib!r}")
@@ -492,6 +503,7 @@ def max_concurrency(model, context: int, kv_format="bf16", gpu="H100-80GB", weig
                     tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1,
                     reserve_gib: float = DEFAULT_RESERVE_GIB) -> int:
     """Most sequences of ``context`` tokens whose cache fits beside the weights and the reserve (0 if none)."""
+    context = _positive_int("context", context)
     f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization, reserve_gib=reserve_gib)
     per_seq = budget(model, 1, context, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu
     if f.free_for_cache_per_gpu <= 0:
@@ -568,9 +580,12 @@ def engine_available_bytes(total_gib: float, gpu_memory_utilization: float = 0.9
                            reserve_gib: float = DEFAULT_RESERVE_GIB) -> int:
     """Memory left for the cache: ``utilization x total - weights - reserve`` (activation peak and
     non-torch memory), in bytes, never below zero."""
-    for name, v, lo in (("total_gib", total_gib, 0), ("weights_gib", weights_gib, -1), ("reserve_gib", reserve_gib, -1)):
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= lo or v > 1e6:
-            raise ValueError(f"{name} must be a finite number of GiB{' above 0' if lo == 0 else ', 0 or more'}, got {v!r}")
+    for name, v, positive in (("total_gib", total_gib, True), ("weights_gib", weights_gib, False),
+                              ("reserve_gib", reserve_gib, False)):
+        if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0
+                or (positive and v == 0) or v > 1e6):
+            raise ValueError(f"{name} must be a finite number of GiB{' above 0' if positive else ', 0 or more'} "
+                             f"(at most 1e6), got {v!r}")
     if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, int | float) \
             or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
@@ -627,9 +642,16 @@ def read_vllm_log(lines) -> dict[str, float]:
     if not isinstance(lines, list | tuple) or not all(isinstance(x, str) for x in lines):
         raise TypeError("lines must be a string or a list of strings")
     out = {}
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         for key, pat in _VLLM_LINES.items():
             m = re.search(pat, line)
             if m and key not in out:
-                out[key] = float(next(g for g in m.groups() if g is not None).replace(",", ""))
+                text = next(g for g in m.groups() if g is not None).replace(",", "")
+                try:
+                    value = float(text)
+                except ValueError:
+                    value = math.nan
+                if not math.isfinite(value) or value < 0:
+                    raise ValueError(f"line {n}: {key} reads {text[:40]!r}, not a number vLLM prints")
+                out[key] = value
     return out

@@ -296,6 +296,8 @@ def _layer_formats(fmt: KVFormat, layer_formats, kernel) -> dict[str, KVFormat]:
         raise ValueError(f"layer_formats must map some of {LAYER_TYPES} to formats, got {layer_formats!r}")
     out = {t: get_format(f) for t, f in layer_formats.items()}
     for f in out.values():
+        if f.layers:
+            raise ValueError(f"layer_formats: {f.name!r} is itself a per-layer-type mix; give a plain format")
         _kernel_mode(f, kernel)
     return out
 
@@ -340,6 +342,9 @@ class KVQuantCache(Cache):
             if num_layers is not None and num_layers != len(windows):
                 raise ValueError(f"num_layers={num_layers} but the config has {len(windows)} layers")
             super().__init__(layers=[self._layer(w) for w in windows])
+        elif self.layer_formats:
+            raise ValueError(f"{self.fmt.name!r} stores each layer type its own way: pass config=model.config so "
+                             "the cache knows which layers slide (or build it with from_prefill)")
         elif num_layers is None:
             super().__init__(layer_class_to_replicate=_LayerFactory(self))
         else:
@@ -348,7 +353,7 @@ class KVQuantCache(Cache):
             super().__init__(layers=[self._layer(None) for _ in range(num_layers)])
 
     def _layer(self, window: int | None) -> KVQuantLayer:
-        fmt = self.layer_formats.get("sliding_attention" if window else "full_attention", self.fmt)
+        fmt = self.layer_formats.get("sliding_attention" if window else "full_attention", self.fmt.for_layer(window))
         return KVQuantLayer(fmt, self.quantize_prefill, self._kernel, window)
 
     @classmethod

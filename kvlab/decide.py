@@ -86,16 +86,19 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     concurrency = B._positive_int("concurrency", concurrency)
     max_gpus = B._positive_int("max_gpus", max_gpus)
     name = get_format(kv_format).name
+    shape = B.load_shape(model)
+    if shape.max_position_embeddings and context > shape.max_position_embeddings:
+        raise ValueError(f"context {context:,} is past {shape.name}'s {shape.max_position_embeddings:,}-token window")
+    reserves = _reserves(reserve_gib)
     best = None
     for tp in TP_SIZES:
         try:
-            reserve = reserve_gib.get(tp, max(reserve_gib.values())) if isinstance(reserve_gib, dict) else reserve_gib
-            room = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp,
-                                     memory_utilization=memory_utilization, reserve_gib=reserve)
-        except ValueError as e:  # heads that do not split over tp ranks
-            if "tp=" in str(e) or "divide" in str(e):
-                continue
-            raise
+            B._check_tp(shape, tp)
+        except ValueError:  # heads that do not split over tp ranks: not a layout an engine can run
+            continue
+        reserve = reserves[max(t for t in reserves if t <= tp)]
+        room = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp,
+                                 memory_utilization=memory_utilization, reserve_gib=reserve)
         if not room:
             continue
         replicas = -(-concurrency // room)
@@ -116,6 +119,21 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     usd = B.hourly_price(gpu, gpu_hour_usd) * row["gpus"]
     row["usd_per_million_tokens"] = usd / (row["tokens_per_s"] * 3600) * 1e6
     return row
+
+
+def _reserves(reserve_gib) -> dict[int, float]:
+    """``{tp: GiB}``: a number applies at every size; a dict must give tp=1, and a size it leaves out takes the
+    entry of the largest size below it (a reserve grows with tensor parallelism, it does not shrink)."""
+    if not isinstance(reserve_gib, dict):
+        return {1: reserve_gib}
+    if not reserve_gib or 1 not in reserve_gib:
+        raise ValueError(f"reserve_gib as a dict must give tp=1 (GiB per GPU by tensor-parallel size), got {reserve_gib!r}")
+    for tp, v in reserve_gib.items():
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"reserve_gib's keys must be tensor-parallel sizes (positive integers), got {tp!r}")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1e6:
+            raise ValueError(f"reserve_gib[{tp}] must be a number of GiB, 0 or more, got {v!r}")
+    return dict(reserve_gib)
 
 
 def _quality(sweep: dict | None, fmt: str) -> dict:

@@ -64,24 +64,33 @@ LENGTH_TOLERANCE = 2  # tokens a server may count beyond the intended prompt len
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for a zero probability; strict JSON has no -Infinity
 
 
+def _redacted(url: str) -> str:
+    """``url`` for messages: any ``user:password@`` replaced, and cut to 200 characters."""
+    import re
+
+    return re.sub(r"(?<=//)[^/@]*@", "***@", url.strip())[:200]
+
+
 def base_url(url: str) -> str:
-    """``http(s)://host[:port][/prefix]`` without a trailing ``/v1``; raises ``ValueError`` if it is not a URL."""
+    """``http(s)://host[:port][/prefix]`` without a trailing ``/v1``; raises ``ValueError`` if it is not a URL.
+    Messages never repeat credentials: a URL carrying any is refused before anything else is checked."""
     if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"endpoint URL must be a non-empty string, got {url!r}")
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"endpoint URL {url!r} must start with http:// or https://")
-    if not parts.hostname:
-        raise ValueError(f"endpoint URL {url!r} has no host")
+        raise ValueError(f"endpoint URL must be a non-empty string, got {type(url).__name__}")
+    shown = _redacted(url)
+    if "@" in url.split("//", 1)[-1].split("/", 1)[0]:  # it would be written into the journal and --out
+        raise ValueError(f"endpoint URL {shown!r} must not carry credentials (user:password@); set OPENAI_API_KEY "
+                         "to send a bearer token")
     try:
+        parts = urlsplit(url.strip())
         parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise ValueError(f"endpoint URL {url!r} has an invalid port") from None
+    except ValueError as e:
+        raise ValueError(f"endpoint URL {shown!r} is not a valid URL ({e})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"endpoint URL {shown!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"endpoint URL {shown!r} has no host")
     if parts.query or parts.fragment:
-        raise ValueError(f"endpoint URL {url!r} must not carry a query or fragment")
-    if parts.username is not None or parts.password is not None:  # it would be written into the journal and --out
-        raise ValueError(f"endpoint URL for host {parts.hostname!r} must not carry credentials (user:password@); "
-                         "set OPENAI_API_KEY to send a bearer token")
+        raise ValueError(f"endpoint URL {shown!r} must not carry a query or fragment")
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[:-3]
@@ -91,7 +100,7 @@ def base_url(url: str) -> str:
 
         httpx.URL(out)
     except Exception as e:  # noqa: BLE001 - httpx.InvalidURL and its relatives: the URL cannot be requested
-        raise ValueError(f"endpoint URL {url!r} is not a valid URL: {e}") from None
+        raise ValueError(f"endpoint URL {shown!r} is not a valid URL: {e}") from None
     return out
 
 
@@ -117,9 +126,11 @@ class Endpoint:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an integer >= 0, got {self.retries!r}")
         key = self.api_key
-        if key is not None and (not isinstance(key, str) or not key.isascii() or not key.isprintable()
-                                or not key.strip() or len(key) > 4096):
-            raise ValueError("api_key (OPENAI_API_KEY) must be printable ASCII, up to 4,096 characters")
+        if key is not None:
+            if not isinstance(key, str) or not key.isascii() or not key.isprintable() or len(key) > 4096:
+                raise ValueError("api_key (OPENAI_API_KEY) must be printable ASCII, up to 4,096 characters")
+            if not key.strip() or key != key.strip() or " " in key:
+                raise ValueError("api_key (OPENAI_API_KEY) must not be blank or contain spaces (a bearer token is one word)")
         self._client = None
 
     @property

@@ -124,13 +124,19 @@ class KVFormat:
     layers: tuple[tuple[str, KVFormat], ...] = ()
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
         for arg in ("residual", "sinks"):
             v = getattr(self, arg)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{arg} must be a non-negative integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10**7:
+                raise ValueError(f"{arg} must be an integer number of tokens from 0 to 10,000,000, got {v!r}")
+        if not isinstance(self.layers, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in self.layers):
+            raise ValueError("layers must be a tuple of (layer type, KVFormat) pairs")
         for t, f in self.layers:
             if t not in LAYER_TYPES or not isinstance(f, KVFormat) or f.layers:
                 raise ValueError(f"layers must pair a layer type in {LAYER_TYPES} with a plain KVFormat, got {t!r}")
+        if len({t for t, _ in self.layers}) < len(self.layers):
+            raise ValueError("layers names a layer type twice")
 
     def for_layer(self, window: int | None) -> KVFormat:
         """The plain format one layer stores: a sliding-window layer (``window`` set) or a global one.
@@ -253,21 +259,32 @@ def get_format(fmt: str | KVFormat) -> KVFormat:
     key = fmt.strip().lower()
     if key in FORMATS:
         return FORMATS[key]
+    shown = repr(fmt[:80] + ("..." if len(fmt) > 80 else ""))
+    if re.search(r"\s", key) or len(key) > 200:
+        raise ValueError(f"KV format {shown}: a format name has no spaces and at most 200 characters")
     body, at, where = key.partition("@")
     if at:
         if where not in MIX_SUFFIXES:
-            raise ValueError(f"unknown layer type {where!r} in KV format {fmt!r}: use @global or @sliding")
-        return replace(FORMATS["fp32"], name=key, aliases=(), layers=((MIX_SUFFIXES[where], get_format(body)),),
+            raise ValueError(f"unknown layer type {where[:40]!r} in KV format {shown}: use @global or @sliding")
+        try:
+            inner = get_format(body)
+        except ValueError as e:
+            raise ValueError(f"KV format {shown}: {e}") from None
+        return replace(FORMATS["fp32"], name=key, aliases=(), layers=((MIX_SUFFIXES[where], inner),),
                        source=f"{body} on the {where} layers only, full precision (fp32) on the others")
     base, *opts = key.split("+")
     if base not in FORMATS:
-        raise ValueError(f"unknown KV format {fmt!r}; choose one of: {', '.join(format_names())} "
+        raise ValueError(f"unknown KV format {shown}; choose one of: {', '.join(format_names())} "
                          "(optionally with +sinksN, +residualN or +rotate, and @global or @sliding)")
-    out = FORMATS[base]
+    out, seen = FORMATS[base], set()
     for opt in opts:
-        m = re.fullmatch(r"(sinks|residual)(\d{1,6})|rotate", opt)
+        m = re.fullmatch(r"(sinks|residual)([0-9]{1,6})|rotate", opt)
         if not m:
-            raise ValueError(f"unknown option {opt!r} in KV format {fmt!r}: use +sinksN, +residualN or +rotate")
+            raise ValueError(f"unknown option {opt[:40]!r} in KV format {shown}: use +sinksN, +residualN or +rotate")
+        kind = m[1] or "rotate"
+        if kind in seen:
+            raise ValueError(f"KV format {shown} gives +{kind} twice")
+        seen.add(kind)
         out = out.with_options(rotate=True) if opt == "rotate" else out.with_options(**{m[1]: int(m[2])})
     return out
 

@@ -105,6 +105,8 @@ class _Handler(BaseHTTPRequestHandler):
         """Errors raised by http.server itself (a bad request line, headers too long) in the API's JSON shape."""
         short, long = self.responses.get(code, ("error", ""))
         self.close_connection = True
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":  # failed before a version was read:
+            self.request_version = "HTTP/1.0"  # answer with a status line and headers all the same
         try:
             if self.command == "HEAD" or code < 200 or code in (204, 304):
                 self.send_response(code, message)
@@ -121,7 +123,6 @@ class _Handler(BaseHTTPRequestHandler):
         if not super().parse_request():
             return False
         if self.request_version == "HTTP/0.9":
-            self.request_version = "HTTP/1.0"  # so the error carries a status line
             self.send_error(400, "HTTP/0.9 is not supported", "send 'METHOD /path HTTP/1.1'")
             return False
         return True
@@ -142,7 +143,26 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _too_slow(self):
         if not self.read_done:
+            self._timed_out()
             self._shut()
+
+    def _timed_out(self):
+        """408 straight onto the socket: the request was not all sent in time (the handler may be blocked reading)."""
+        if getattr(self, "_answered_timeout", False):
+            return
+        self._answered_timeout = True
+        body = json.dumps({"error": {"message": "the request was not sent in time", "type": "invalid_request_error",
+                                     "code": 408}}).encode()
+        try:
+            self.connection.sendall(b"HTTP/1.0 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                                    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        except OSError:
+            pass
+
+    def log_error(self, format, *args):
+        # http.server reports a socket timeout while reading a request here, and sends nothing: answer it
+        if format.startswith("Request timed out") and not self.read_done:
+            self._timed_out()
 
     def _method_not_allowed(self):
         self._error(405, f"{self.command} is not supported; use GET or POST")
@@ -196,7 +216,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> dict:
         """The request's JSON object, its size checked against the limit before a byte of it is read."""
         srv = self.server.kvlab
-        raw_len = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding") is not None:  # with a Content-Length too: request smuggling
+            raise RequestError(411, "this server takes a Content-Length body, not Transfer-Encoding")
+        lengths = self.headers.get_all("Content-Length") or []
+        if len(set(v.strip() for v in lengths)) > 1:
+            raise RequestError(400, "the request has conflicting Content-Length headers")
+        raw_len = lengths[0] if lengths else None
         if raw_len is None:
             raise RequestError(411, "a POST needs a Content-Length header")
         if not re.fullmatch(r"[0-9]{1,18}", raw_len.strip()):
@@ -242,7 +267,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(e.status, str(e))
         except ClientGone:
             self.close_connection = True  # nobody to answer
-        except (TimeoutError, ConnectionError):
+        except TimeoutError:  # the body stopped arriving
+            self.close_connection = True
+            if not self.read_done:
+                self._timed_out()
+        except ConnectionError:
             self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a server answers 500 rather than dropping the socket
             self._error(500, f"{type(e).__name__}: {e}")
@@ -378,12 +407,18 @@ class CompletionServer:
 
     def tokenize(self, body: dict) -> dict:
         if unknown := sorted(set(body) - self.TOKENIZE_FIELDS):
-            raise RequestError(400, f"/tokenize does not take {', '.join(map(repr, unknown))}; it takes 'prompt' "
-                                    "(vLLM) or 'content' (llama.cpp), and optionally 'model'")
+            shown = ", ".join(repr(k[:40]) for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise RequestError(400, f"/tokenize does not take {shown}; it takes 'prompt' (vLLM) or 'content' "
+                                    "(llama.cpp), and optionally 'model' and 'add_special_tokens'")
+        if ("prompt" in body) == ("content" in body) or not isinstance(body.get("prompt", body.get("content")), str):
+            raise RequestError(400, "/tokenize takes one text: {'prompt': text} (vLLM) or {'content': text} (llama.cpp)")
+        if not isinstance(body.get("model", ""), str):
+            raise RequestError(400, "'model' must be a string")
+        special = body.get("add_special_tokens", False)
+        if not isinstance(special, bool):
+            raise RequestError(400, "'add_special_tokens' must be true or false")
         text = body.get("prompt", body.get("content"))
-        if not isinstance(text, str):
-            raise RequestError(400, "/tokenize takes {'prompt': text} (vLLM) or {'content': text} (llama.cpp)")
-        ids = self.tok.encode(self._text(text, "prompt"), add_special_tokens=False)
+        ids = self.tok.encode(self._text(text, "prompt"), add_special_tokens=special)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_context}
 
     def _stop(self, body: dict) -> list[str]:
@@ -458,7 +493,7 @@ class CompletionServer:
                 logits = last
             cache = KVQuantCache.from_prefill(self.fmt, dyn)
         else:
-            cache = KVQuantCache(self.fmt, quantize_prefill=True)
+            cache = KVQuantCache(self.fmt, quantize_prefill=True, config=model.config)
             logits = model(x, past_key_values=cache, use_cache=True, **({} if echo else {"logits_to_keep": 1})).logits[0]
         logits = logits.float().reshape(-1, logits.shape[-1])
         prompt_lp = torch.log_softmax(logits[:-1], -1) if echo else None

@@ -466,3 +466,20 @@ def test_engine_memory_is_a_clear_error_or_a_non_negative_int(total, util, weigh
         assert any(n in str(e) for n in ("total_gib", "gpu_memory_utilization", "weights_gib", "reserve_gib"))
     else:
         assert isinstance(got, int) and got >= 0
+
+
+def test_hostile_budget_inputs_get_named_errors():
+    with pytest.raises(ValueError, match="weights_gib"):
+        B.engine_available_bytes(80, 0.9, -0.5, 3)
+    with pytest.raises(ValueError, match="line 1: total_gib"):
+        B.read_vllm_log(["total_gpu_memory=1.2.3GiB"])
+    with pytest.raises(ValueError, match="model_weights|weights_gib"):
+        B.read_vllm_log(["model weights take " + "9" * 400 + " GiB"])
+    with pytest.raises(ValueError, match="neither a preset"):
+        B.load_shape("a" * 5000)
+    with pytest.raises(ValueError, match="memory_utilization"):
+        B.fit("llama-3.1-8b", "H100-80GB", memory_utilization=True)
+    with pytest.raises(ValueError, match="weights dtype"):
+        B.fit("llama-3.1-8b", "H100-80GB", ["bf16"])
+    with pytest.raises(ValueError, match="context"):
+        B.max_concurrency("llama-3.1-8b", 0)

@@ -391,3 +391,12 @@ def test_gemma3_bytes_at_32k_match_the_budget(fmt):
     assert cache.nbytes == want.cache_bytes
     assert sum(layer.window is not None for layer in cache.layers) == 15
     assert load_shape("gemma-3-270m").max_position_embeddings == 32768
+
+
+def test_a_named_mix_needs_the_models_layer_types(tiny_gemma3):
+    cache = KVQuantCache("int4_token@global", config=tiny_gemma3.config)
+    assert [layer.fmt.name for layer in cache.layers] == ["fp32"] * 5 + ["int4_token"]
+    with pytest.raises(ValueError, match="config=model.config"):
+        KVQuantCache("int4_token@sliding")
+    with pytest.raises(ValueError, match="itself a per-layer-type mix"):
+        KVQuantCache("fp32", config=tiny_gemma3.config, layer_formats={"full_attention": "int4@global"})

@@ -79,3 +79,18 @@ def test_plan_cost_follows_the_price_and_gives_up_past_max_gpus():
         decide.plan("llama-3.1-8b", "H100-80GB", 32768, 0)
     with pytest.raises(ValueError, match="max_gpus"):
         decide.plan("llama-3.1-8b", "H100-80GB", 32768, 4, max_gpus=-1)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(reserve_gib={}), "tp=1"), (dict(reserve_gib={1: 3, 2: "x"}), r"reserve_gib\[2\]"),
+                                       (dict(reserve_gib={"2": 100}), "tp=1"), (dict(context=200_000), "window")])
+def test_plan_refuses_what_it_cannot_plan(kw, match):
+    args = dict(model="llama-3.1-8b", gpu="H100-80GB", context=32768, concurrency=8) | kw
+    with pytest.raises(ValueError, match=match):
+        decide.plan(**args)
+
+
+def test_plan_reports_a_format_error_instead_of_nothing_fits():
+    cfg = dict(model_type="llama", hidden_size=640, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=2,
+               intermediate_size=100, vocab_size=100, head_dim=80, max_position_embeddings=8192)
+    with pytest.raises(ValueError, match="does not divide head_dim"):
+        decide.plan(cfg, "H100-80GB", 4096, 1, "int4")

@@ -137,7 +137,7 @@ def test_unreachable_server_and_bad_urls():
     with pytest.raises(E.EndpointError, match="cannot connect"):
         ep.models()
     for url, why in [("localhost:8000", "http://"), ("ftp://x", "http://"), ("http://", "no host"),
-                     ("http://h:99999", "invalid port"), ("http://h/v1?x=1", "query"), ("", "non-empty")]:
+                     ("http://h:99999", "Port out of range"), ("http://h/v1?x=1", "query"), ("", "non-empty")]:
         with pytest.raises(ValueError, match=why):
             E.Endpoint(url)
     for kw, why in [({"timeout": 0}, "timeout"), ({"retries": -1}, "retries"), ({"backoff": math.nan}, "backoff")]:
@@ -579,7 +579,22 @@ def test_credentials_never_ride_in_the_url():
     with pytest.raises(ValueError, match="credentials") as e:
         E.base_url("http://alice:s3cret@h:8000/v1")
     assert "s3cret" not in str(e.value)
-    for bad in ("tok\nX-Evil: 1", "é", " ", 5):
+    for bad in ("tok\nX-Evil: 1", "é", 5):
         with pytest.raises(ValueError, match="api_key"):
             E.Endpoint("http://h:8000", api_key=bad)
     assert E.Endpoint("http://h:8000", api_key="sk-abc").api_key == "sk-abc"
+
+
+@pytest.mark.parametrize("url", ["http://u:SECRETXYZ@127.0.0.1:99999", "ftp://u:SECRETXYZ@h", "http://u:SECRETXYZ@",
+                                 "http://u:SECRETXYZ@h/?q=1", "http://u:SECRETXYZ@[::1:8000"])
+def test_no_message_repeats_a_password(url):
+    with pytest.raises(ValueError) as e:
+        E.base_url(url)
+    assert "SECRETXYZ" not in str(e.value) and "endpoint URL" in str(e.value)
+
+
+def test_an_api_key_with_spaces_is_refused_without_echoing_it():
+    for key in ("SECRETXYZ ", " SECRETXYZ", "SECRET XYZ", "   "):
+        with pytest.raises(ValueError, match="bearer token is one word") as e:
+            E.Endpoint("http://h:8000", api_key=key)
+        assert "SECRET" not in str(e.value)

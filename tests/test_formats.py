@@ -57,3 +57,25 @@ def test_a_mix_budget_is_its_layers_budgets():
     want = [f if w else i for w, f, i in zip(windows, full.per_layer_bytes, int4.per_layer_bytes)]
     assert list(mix.per_layer_bytes) == want
     assert int4.cache_bytes < mix.cache_bytes < full.cache_bytes
+
+
+@pytest.mark.parametrize("bad, match", [("x@sliding", "'x'"), ("int4\t@global", "no spaces"), ("int4+sinks4+sinks8", "twice"),
+                                        ("int4+rotate+rotate", "twice"), ("int4+sinks\u0663", "unknown option"),
+                                        ("a" * 100_000, "at most 200")])
+def test_names_that_are_not_formats_are_refused_briefly(bad, match):
+    with pytest.raises(ValueError, match=match) as e:
+        get_format(bad)
+    assert len(str(e.value)) < 600
+
+
+@pytest.mark.parametrize("kw, match", [(dict(layers="ab"), "pairs"), (dict(layers=[]), "pairs"), (dict(residual=True), "residual"),
+                                       (dict(sinks=10**30), "sinks"), (dict(name=None), "name")])
+def test_a_kvformat_checks_its_fields(kw, match):
+    f = get_format("fp32")
+    with pytest.raises(ValueError, match=match):
+        KVFormat(**({"name": "x", "key": f.key, "value": f.value} | kw))
+
+
+def test_a_mix_refuses_a_model_without_that_layer_type():
+    with pytest.raises(ValueError, match="has none"):
+        B.budget("llama-3.1-8b", 1, 10, "int4@sliding")

@@ -300,3 +300,33 @@ def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
     r = _post(srv, {"prompt": "hi", "add_special_tokens": False, "bogus": 1}, path="/tokenize")
     assert r.status_code == 400 and "'bogus'" in r.json()["error"]["message"]
     assert _post(srv, {"prompt": "hi", "model": "tiny"}, path="/tokenize").json()["count"] >= 1
+
+
+@pytest.mark.parametrize("line", [b"POST /v1/completions\r\n\r\n", b"GET /health HTTP/9.9\r\n\r\n", b"GET /health HTTP/1.1x\r\n\r\n",
+                                  b"GET\r\n\r\n", b"GET / a b HTTP/1.1\r\n\r\n", b"\x00\xff\xfe junk\r\n\r\n"])
+def test_every_malformed_request_line_gets_a_status_line(srv, line):
+    head = _raw(srv, line)
+    assert head.startswith(b"HTTP/1.0 4") or head.startswith(b"HTTP/1.0 5"), head[:80]
+    assert b'"error"' in head
+
+
+def test_smuggling_shapes_are_refused(srv):
+    both = _raw(srv, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}")
+    assert both.startswith(b"HTTP/1.0 411 ")
+    two = _raw(srv, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}")
+    assert two.startswith(b"HTTP/1.0 400 ") and b"conflicting" in two
+
+
+@pytest.mark.parametrize("body, match", [({"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+                                         ({"prompt": "hi", "model": {"a": 1}}, "'model'"),
+                                         ({"prompt": "hi", "content": [1]}, "one text"),
+                                         ({f"k{i}": 1 for i in range(2000)}, "and 1995 more")])
+def test_tokenize_checks_what_it_takes(srv, body, match):
+    r = _post(srv, body, path="/tokenize")
+    assert r.status_code == 400 and match in r.json()["error"]["message"] and len(r.text) < 2000
+
+
+def test_a_request_not_sent_in_time_gets_a_408(srv, monkeypatch):
+    monkeypatch.setattr(S._Handler, "timeout", 1.0)
+    head = _raw(srv, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"prompt\"", wait=10)
+    assert head.startswith(b"HTTP/1.0 408 ")
