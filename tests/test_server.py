@@ -100,7 +100,7 @@ def test_a_half_sent_body_does_not_hold_a_thread(srv, monkeypatch):
     monkeypatch.setattr(S._Handler, "timeout", 0.5)
     t0 = time.time()
     out = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: 100\r\n\r\n{\"pro", wait=10)
-    assert out == b"" and time.time() - t0 < 5  # dropped after the socket timeout: nobody is left to answer
+    assert out.startswith(b"HTTP/1.0 408 ") and time.time() - t0 < 5  # answered, then dropped, at the socket timeout
 
 
 def test_an_idle_connection_is_dropped(srv, monkeypatch):
@@ -108,7 +108,10 @@ def test_an_idle_connection_is_dropped(srv, monkeypatch):
     with socket.create_connection((srv.host, srv.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.0\r\n")  # and then nothing
         t0 = time.time()
-        assert s.recv(4096) == b""  # the server closed it
+        out = b""
+        while chunk := s.recv(4096):
+            out += chunk
+        assert out.startswith(b"HTTP/1.0 408 ")  # told why, then closed
         assert time.time() - t0 < 5
 
 
@@ -324,9 +327,3 @@ def test_smuggling_shapes_are_refused(srv):
 def test_tokenize_checks_what_it_takes(srv, body, match):
     r = _post(srv, body, path="/tokenize")
     assert r.status_code == 400 and match in r.json()["error"]["message"] and len(r.text) < 2000
-
-
-def test_a_request_not_sent_in_time_gets_a_408(srv, monkeypatch):
-    monkeypatch.setattr(S._Handler, "timeout", 1.0)
-    head = _raw(srv, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"prompt\"", wait=10)
-    assert head.startswith(b"HTTP/1.0 408 ")
