@@ -98,8 +98,8 @@ def test_window_nll_on_a_hybrid_model_reads_each_layer_types_format(tiny_gemma3)
     with torch.no_grad():
         plain = tiny_gemma3(x, labels=x).loss.item() * 39
     assert evals.window_nll(tiny_gemma3, x, "fp32") == pytest.approx(plain, rel=1e-4)
-    only_global = evals.window_nll(tiny_gemma3, x, "fp32", {"full_attention": "int4_tensor"})
-    only_windows = evals.window_nll(tiny_gemma3, x, "fp32", {"sliding_attention": "int4_tensor"})
+    only_global = evals.window_nll(tiny_gemma3, x, "int4_tensor@global")
+    only_windows = evals.window_nll(tiny_gemma3, x, "int4_tensor@sliding")
     everywhere = evals.window_nll(tiny_gemma3, x, "int4_tensor")
     assert len({round(v, 6) for v in (plain, only_global, only_windows, everywhere)}) == 4
 
