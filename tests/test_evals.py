@@ -151,3 +151,23 @@ def test_golden_prompts_are_long_slices_of_heldout_text(shipped):
     assert len(golden) == 3 and all(len(g) == 700 for g in golden) and golden[0] != golden[1]
     with pytest.raises(ValueError, match="positive"):
         evals.golden_prompts(tok, n=0)
+
+
+@pytest.mark.slow
+def test_the_long_sweep_script_runs_and_resumes(tmp_path):
+    """scripts/sweep_long.py --quick on kvlab-tiny: a header and one line per prompt; a second run adds nothing."""
+    import json
+    import subprocess
+    import sys
+
+    from kvlab.paths import ROOT
+
+    out = tmp_path / "q.jsonl"
+    cmd = [sys.executable, str(ROOT / "scripts" / "sweep_long.py"), "--quick", "--model", "kvlab-tiny", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["kind"] == "header" and len(lines) > 5
+    assert all(set(x["correct"]) <= set(lines[0]["formats"]) for x in lines[1:] if "correct" in x)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "resuming" in again.stdout and len(out.read_text().splitlines()) == len(lines)
