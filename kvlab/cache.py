@@ -330,7 +330,7 @@ class KVQuantCache(Cache):
 
     def __init__(self, fmt: str | KVFormat = "fp16", num_layers: int | None = None, *,
                  quantize_prefill: bool = True, kernel: bool | None = None, config=None,
-                 layer_formats: dict | None = None):
+                 layer_formats: dict | None = None, _layers_from_prefill: bool = False):
         self.fmt = get_format(fmt)
         if not isinstance(quantize_prefill, bool):
             raise TypeError(f"quantize_prefill must be a bool, got {quantize_prefill!r}")
@@ -342,7 +342,7 @@ class KVQuantCache(Cache):
             if num_layers is not None and num_layers != len(windows):
                 raise ValueError(f"num_layers={num_layers} but the config has {len(windows)} layers")
             super().__init__(layers=[self._layer(w) for w in windows])
-        elif self.layer_formats:
+        elif self.layer_formats and not _layers_from_prefill:
             raise ValueError(f"{self.fmt.name!r} stores each layer type its own way: pass config=model.config so "
                              "the cache knows which layers slide (or build it with from_prefill)")
         elif num_layers is None:
@@ -370,7 +370,7 @@ class KVQuantCache(Cache):
         layers = getattr(prefill, "layers", None)
         if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
             raise ValueError("prefill must be a transformers cache that a forward pass has filled")
-        cache = cls(fmt, quantize_prefill=False, kernel=kernel, layer_formats=layer_formats)
+        cache = cls(fmt, quantize_prefill=False, kernel=kernel, layer_formats=layer_formats, _layers_from_prefill=True)
         cache.layers = [cache._layer(getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False)
                                      else None) for layer in layers]
         for i, layer in enumerate(layers):

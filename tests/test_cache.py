@@ -400,3 +400,12 @@ def test_a_named_mix_needs_the_models_layer_types(tiny_gemma3):
         KVQuantCache("int4_token@sliding")
     with pytest.raises(ValueError, match="itself a per-layer-type mix"):
         KVQuantCache("fp32", config=tiny_gemma3.config, layer_formats={"full_attention": "int4@global"})
+
+
+def test_a_named_mix_from_a_prefill_takes_the_prefills_layer_types(tiny_gemma3):
+    from kvlab import evals
+
+    ids = torch.randint(3, 300, (1, 24))
+    dyn, _ = evals.prefill(tiny_gemma3, ids)
+    cache = KVQuantCache.from_prefill("int4_token@global", dyn)
+    assert [layer.fmt.name for layer in cache.layers] == ["fp32"] * 5 + ["int4_token"]
