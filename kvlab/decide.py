@@ -76,7 +76,8 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     Tries every tensor-parallel size in :data:`TP_SIZES` that the model's heads split into, with as many
     replicas as it takes; the fewest GPUs wins, then the higher throughput. Throughput is the decode
     roofline at :data:`kvlab.roofline.MBU` (tensor-parallel communication not counted), each replica
-    running its share of the load; cost is dollars per million generated tokens at the GPU's listed (or
+    running its share of the load (the sequences split as evenly as they go); cost is dollars per million
+    generated tokens at the GPU's listed (or
     the given) hourly price, every GPU busy decoding. ``reserve_gib`` is the engine's own memory per GPU
     (see :func:`kvlab.budget.fit`): a number, or ``{tp: GiB}`` for a reserve that grows with tensor parallelism.
     ``None`` when no configuration of at most ``max_gpus`` GPUs holds the load. ``spare``: sequences of room
@@ -104,9 +105,11 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
         replicas = -(-concurrency // room)
         if tp * replicas > max_gpus:
             continue
-        batch = -(-concurrency // replicas)
+        batch = -(-concurrency // replicas)  # the fullest replica's share; the others take one fewer
+        shares = [concurrency // replicas + (i < concurrency % replicas) for i in range(replicas)]
         st = step_time(model, batch, context, name, gpu, weights_dtype, tp=tp)
-        tps = replicas * batch / st.seconds
+        tps = sum(b / step_time(model, b, context, name, gpu, weights_dtype, tp=tp).seconds for b in set(shares)
+                  for _ in range(shares.count(b)))
         key = (tp * replicas, -tps)
         if best is None or key < best[0]:
             best = (key, {"kv_format": name, "tp": tp, "replicas": replicas, "gpus": tp * replicas,
@@ -211,7 +214,7 @@ def markdown(rows: list[dict]) -> str:
             qual, ppl = "not measured", "—"
         step = f"{r['step_ms']:.1f} ms" if r["step_ms"] is not None else "—"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "—"
-        out.append(f"| `{r['kv_format']}` | {r['bits_per_element']:.2f} | {r['cache_gib_per_gpu']:.1f} GiB | "
+        out.append(f"| `{r['kv_format']}` | {r['bits_per_element']:g} | {r['cache_gib_per_gpu']:.1f} GiB | "
                    f"{'yes' if r['fits'] else '**no**'} | {r['max_concurrency']:,} | {step} | {r['tokens_per_s']:,.0f} | "
                    f"{sp} | {qual} | {ppl} |")
     return "\n".join(out)

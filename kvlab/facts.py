@@ -80,6 +80,16 @@ def _logs_md(logs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def vllm_logs_reserve() -> float:
+    """The largest engine reserve (non-torch memory + activation peak, GiB) a published log in vllm_logs.json prints."""
+    from . import budget as B
+    import json
+
+    doc = json.loads((B.PRESETS / "vllm_logs.json").read_text())
+    nums = [B.read_vllm_log(x["lines"]) for x in doc["logs"]]
+    return max(n["non_torch_gib"] + n["activation_gib"] for n in nums if "activation_gib" in n)
+
+
 def cache_budget() -> Facts:
     """Chapter 1: the 70B headline in GiB with the engine's reserve, weights vs cache quantization side by
     side, and kvlab's engine model read against published vLLM start-up logs."""
@@ -99,7 +109,8 @@ def cache_budget() -> Facts:
     values = {
         **c, "gpu_gib": B.get_gpu(c["gpu"]).memory_bytes / G, "gpu_gb": B.get_gpu(c["gpu"]).nominal_gb,
         "int4_cache_engines": names_md(sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})).replace("`", ""),
-        "int4_weight_bits": B.WEIGHT_BITS["int4"], "weights_gib": fit.weights_bytes_per_gpu / G,
+        "int4_weight_bits": B.WEIGHT_BITS["int4"],
+        "fp4_cache_engines": names_md(engines_offering(["nvfp4"]).get("nvfp4", [])).replace("`", ""), "weights_gib": fit.weights_bytes_per_gpu / G,
         "usable_gib": fit.usable_bytes_per_gpu / G, "reserve_gib": fit.reserve_bytes_per_gpu / G,
         "free_gib": fit.free_for_cache_per_gpu / G, "chats_gib": chats / G, "chats_x": chats / fit.free_for_cache_per_gpu,
         "grid": grid, "w4_kv8": w4_kv8, "w8_kv4": w8_kv4, "w8_kv8": grid[("fp8", "fp8_e4m3")],
@@ -114,6 +125,8 @@ def cache_budget() -> Facts:
                                                       n["non_torch_gib"] + n["activation_gib"]) / G,
         "log_concurrency": shown["logged_tokens"] / n["max_model_len"],
         "tp2_reserve_gib": TP2_RESERVE_GIB,
+        "w8_kv8_big_reserve": B.max_concurrency(c["model"], c["context"], "fp8_e4m3", c["gpu"], c["weights"],
+                                                reserve_gib=n["non_torch_gib"] + n["activation_gib"]),
         "rounding_tokens": 0.005 * G / shown["bytes_per_token"],
         "default_reserve_gib": B.DEFAULT_RESERVE_GIB,
         "logs_md": _logs_md(logs),
@@ -870,13 +883,17 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     safe = [f for f in picks if f != "bf16" and f in gemma["never"] and gemma["ppl"].get(f, 1) < PPL_TOLERANCE
             and plans.get(f)]
     call = min(safe, key=lambda f: (plans[f]["gpus"], plans[f]["usd_per_million_tokens"])) if safe else None
+    big = vllm_logs_reserve()  # the largest reserve a published log shows (chapter 1.5)
+    plans_big = {"bf16": decide.plan(model, gpu, context, concurrency, "bf16", weights_dtype=weights, reserve_gib=big),
+                 "call": decide.plan(model, gpu, context, concurrency, call, weights_dtype=weights, reserve_gib=big)
+                 if call else None}
     fewest_gpus = min(p["gpus"] for p in plans.values() if p)
     at_fewest = [f for f, p in plans.items() if p and p["gpus"] == fewest_gpus]
     values = {
         "plans": plans, "plans_md": _plans_md(plans, gemma, q, by), "mbu": MBU, "ppl_bar": PPL_TOLERANCE,
         "noise_lo": min(noise), "noise_hi": max(noise), "e5m2_ppl": decide._quality(sweep, "fp8_e5m2")["ppl_increase"],
         "nvfp4_bits": get_format("nvfp4").bits_per_element(128),
-        "plans_grown": plans_grown, "fp32_at_L": decide._quality(sweep, "fp32")["exact_match"][max(sweep["lengths"])], "tp2_reserve_gib": TP2_RESERVE_GIB, "reserve_gib": B.DEFAULT_RESERVE_GIB,
+        "plans_grown": plans_grown, "big_reserve_gib": big, "plans_big": plans_big, "fp32_at_L": decide._quality(sweep, "fp32")["exact_match"][max(sweep["lengths"])], "tp2_reserve_gib": TP2_RESERVE_GIB, "reserve_gib": B.DEFAULT_RESERVE_GIB,
         "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
         "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
         "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
@@ -930,6 +947,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(call not in at_fewest, at_fewest),
         "BF16's plan has no spare room; the call's has": _claim(plans["bf16"]["spare"] == 0 and plans[call]["spare"] > 0,
                                                                 (plans["bf16"]["spare"], plans[call]["spare"])),
+        "the largest published reserve costs BF16 GPUs but not the call": _claim(
+            values["plans_big"]["bf16"]["gpus"] > plans["bf16"]["gpus"]
+            and values["plans_big"]["call"]["gpus"] == plans[call]["gpus"], values["plans_big"]),
         "a reserve that grows with tensor parallelism costs BF16 a GPU but not the call":
             _claim(plans_grown["bf16"]["gpus"] > plans["bf16"]["gpus"] and plans_grown[call]["gpus"] == plans[call]["gpus"],
                    (plans_grown["bf16"], plans_grown[call])),

@@ -217,7 +217,9 @@ for _fmt in (
                  "block (ggml-common.h block_q4_0); selected with --cache-type-k/-v q4_0"),
     _same("hf-int4", _q("int4", "group", 64, symmetric=False), residual=128,
           source="transformers QuantizedCache (quanto backend): nbits=4, q_group_size=64, residual_length=128 "
-                 "(transformers docs, 'KV cache strategies')", aliases=("hf_quanto_int4",)),
+                 "(transformers docs, 'KV cache strategies'); kvlab keeps the newest 128 tokens in full precision at "
+                 "all times, where transformers 5.24 quantizes the whole prompt at prefill and keeps up to 128 generated "
+                 "tokens (chapter 4's appendix compares them)", aliases=("hf_quanto_int4",)),
     KVFormat("kivi-4", _q("int4", "group", 32, "token", symmetric=False), _q("int4", "group", 32, symmetric=False),
              residual=128,
              source="KIVI (Liu et al. 2024, arXiv:2402.02750): keys per-channel and values per-token, asymmetric, "
