@@ -663,7 +663,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(set(G["by"]["int4_token@sliding"]["worse_at"]) <= set(G["by"]["int4_token@global"]["worse_at"])),
         "on Gemma the residual window holds at the shortest length": _claim(G["by"]["int4_token+residual128"]["short_verdict"] != "worse"),
         "on Gemma sinks do not help": _claim(G["by"]["int4_token+sinks4"]["worse_at"] == G["by"]["int4_token"]["worse_at"]),
-        "on Gemma rotation hurts KIVI-2": _claim(not G["by"]["kivi-2"]["worse_at"] and G["by"]["kivi-2+rotate"]["worse_at"]),
+        "on Gemma rotation hurts KIVI-2": _claim(
+            G["by"]["kivi-2+rotate"]["short_verdict"] == "worse" and G["by"]["kivi-2"]["short_verdict"] != "worse"
+            and set(G["by"]["kivi-2"]["worse_at"]) < set(G["by"]["kivi-2+rotate"]["worse_at"]),
+            (G["by"]["kivi-2"]["worse_at"], G["by"]["kivi-2+rotate"]["worse_at"])),
         "on Gemma every mitigation costs more than the perplexity tolerance":
             _claim(all(not G["by"][f]["ppl_ok"] for f in CH4_MITIGATIONS if f in G["by"])),
     }
@@ -674,8 +677,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
         "one scale per tensor was worse on both models": _claim(all(m["by"]["int4_tensor"]["worse_at"] for m in both)),
         "no format is trapped on either model": _claim(all(not m["trap"] for m in both), {m["name"]: m["trap"] for m in both}),
-        "KIVI-2 was never worse on Gemma and worse at every length on SmolLM2; KIVI-4 never worse on either":
-            _claim(G is None or S is None or ("kivi-2" in G["never"] and S["by"]["kivi-2"]["worse_at"] == S["lengths"]
+        "KIVI-4 was never worse on either model; KIVI-2 was worse on both, at every length on SmolLM2":
+            _claim(G is None or S is None or (G["by"]["kivi-2"]["worse_at"] and S["by"]["kivi-2"]["worse_at"] == S["lengths"]
                                               and "kivi-4" in G["never"] and "kivi-4" in S["never"])),
         "rotation hurt KIVI-2 on Gemma and helped it on SmolLM2":
             _claim(G is None or S is None or (len(S["by"]["kivi-2+rotate"]["worse_at"]) < len(S["by"]["kivi-2"]["worse_at"]))),
