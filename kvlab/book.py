@@ -145,7 +145,8 @@ def export(nb, page_title: str, prev=None, nxt=None) -> str:
     return relink(body.replace("</body>", bottom + "</body>", 1))
 
 
-_LINK = re.compile(r"""href=(["'])(?:\./)?((?:\d\d_\w+\.ipynb)|(?:%s)\.md)(#[^"']*)?\1""" % "|".join(PAGES))
+_PAGES_RE = "|".join(PAGES)
+_LINK = re.compile(r"""href=(["'])(?:\./)?((?:\d\d_\w+\.ipynb)|(?:""" + _PAGES_RE + r""")\.md)(#[^"']*)?\1""")
 
 
 def relink(page: str) -> str:

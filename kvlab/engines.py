@@ -39,7 +39,7 @@ import torch
 from . import tasks
 from .cache import KVQuantCache
 from .evals import decode, prefill
-from .formats import KVFormat, Quantizer, get_format
+from .formats import get_format
 
 # kvlab's emulation of QuantizedCache(backend="quanto", nbits=n): asymmetric, 64-channel groups, residual 128.
 QUANTO_FORMATS = {

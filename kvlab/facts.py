@@ -82,8 +82,9 @@ def _logs_md(logs: list[dict]) -> str:
 
 def vllm_logs_reserve() -> float:
     """The largest engine reserve (non-torch memory + activation peak, GiB) a published log in vllm_logs.json prints."""
-    from . import budget as B
     import json
+
+    from . import budget as B
 
     doc = json.loads((B.PRESETS / "vllm_logs.json").read_text())
     nums = [B.read_vllm_log(x["lines"]) for x in doc["logs"]]

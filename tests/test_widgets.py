@@ -3,7 +3,6 @@ import pytest
 from kvlab import budget as B
 from kvlab.widgets import BudgetExplorer, memory_breakdown
 
-
 CACHE = 2  # weights, engine reserve, KV cache, free
 
 
