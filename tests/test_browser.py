@@ -122,28 +122,28 @@ def _drive_chapter1(page, url, token, out):
     # The explorer's sliders appear once its cell has run.
     page.wait_for_selector(".widget-slider .widget-readout", timeout=180_000)
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3", timeout=120_000)
-    # Figures: [0] bits bar (static), [1] memory bar, [2] concurrency curves.
+    # Figures: [0] bits bar (static), [1] memory bar (weights, engine reserve, KV cache, free), [2] concurrency curves.
     page.wait_for_function(
-        "() => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p && p.data && p.data.length == 3; }",
+        "() => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p && p.data && p.data.length == 4; }",
         timeout=60_000)
     # Let every cell finish (the cell after the explorer sets batch and puts it back).
     page.wait_for_function(
         "() => !Array.from(document.querySelectorAll('.jp-InputArea-prompt')).some(e => e.textContent.includes('*'))",
         timeout=300_000)
-    cache_before = figure_value(page, 1, 1, "x")
+    cache_before = figure_value(page, 1, 2, "x")
     marker_before = figure_value(page, 2, 5, "x")  # trace 5: the "you are here" marker
     set_slider(page, "batch", "64")
     page.wait_for_function(
-        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[1].x[0] != b; }",
+        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[2].x[0] != b; }",
         arg=cache_before[0], timeout=30_000)
-    cache_after = figure_value(page, 1, 1, "x")
+    cache_after = figure_value(page, 1, 2, "x")
     assert cache_after[0] == pytest.approx(4 * cache_before[0]), (cache_before, cache_after)
 
     set_slider(page, "context", "131072")
     page.wait_for_function(
-        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[1].x[0] != b; }",
+        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[2].x[0] != b; }",
         arg=cache_after[0], timeout=30_000)
-    assert figure_value(page, 1, 1, "x")[0] == pytest.approx(4 * cache_after[0])
+    assert figure_value(page, 1, 2, "x")[0] == pytest.approx(4 * cache_after[0])
     page.wait_for_function(  # the curve figure updates in its own message: wait for it too
         "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[2]; return p.data[5].x[0] != b; }",
         arg=marker_before[0], timeout=30_000)

@@ -328,6 +328,7 @@ def _prompts(n=8):
     return [E.Prompt("passkey", 100, 0.5, i, f"prompt {i}", "12345") for i in range(n)]
 
 
+@pytest.mark.slow  # seconds of waiting: in make test, not make quick
 def test_ctrl_c_stops_sending_keeps_every_answer_and_says_how_to_resume(stub, tmp_path):
     import _thread
 
@@ -522,6 +523,7 @@ def test_a_log_probability_too_large_for_a_float_is_floored(stub, body):
     assert out["token_logprobs"] == [E.LOGPROB_FLOOR] and out["top_logprobs"] == [{"1": E.LOGPROB_FLOOR}]
 
 
+@pytest.mark.slow  # seconds of waiting: in make test, not make quick
 def test_headers_dripped_for_ever_are_cut_off_at_the_timeout():
     """A server that sends '100 Continue' every half second, for ever: --timeout bounds the whole request."""
     srv = socket.socket()

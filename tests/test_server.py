@@ -127,6 +127,7 @@ def test_stop_strings_end_the_text_and_the_generation(srv):
     assert ok.status_code == 200
 
 
+@pytest.mark.slow  # seconds of waiting: in make test, not make quick
 def test_a_generation_stops_when_its_client_has_gone(srv, monkeypatch):
     steps = []
     real = srv.model.forward
