@@ -629,6 +629,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["flipped_at_longest"] = [f for f in m["by"] if (f, L) in cell and cell[f, L]["gained"] >= 2]
         m["flipped_at_longest_md"] = names_md(m["flipped_at_longest"])
         m["int4_at"] = ", ".join(_k(n) for n in m["by"]["int4"]["worse_at"]) or "no length" if "int4" in m["by"] else "—"
+        m["int4_cells"] = len(m["by"]["int4"]["worse_at"]) if "int4" in m["by"] else 0
+        m["n_lengths"] = len(m["lengths"])
     values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
 
@@ -664,6 +666,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(set(G["by"]["int4_token@sliding"]["worse_at"]) <= set(G["by"]["int4_token@global"]["worse_at"])),
         "on Gemma the residual window holds at the shortest length": _claim(G["by"]["int4_token+residual128"]["short_verdict"] != "worse"),
         "on Gemma sinks do not help": _claim(G["by"]["int4_token+sinks4"]["worse_at"] == G["by"]["int4_token"]["worse_at"]),
+        "on Gemma the 4-bit formats line up with the values a scale covers": _claim(
+            {"q4_0", "int4_g16"} <= set(G["never"]) and G["by"]["int4"]["short_verdict"] != "worse"
+            and 0 < len(G["by"]["int4"]["worse_at"]) < len(G["lengths"])
+            and G["by"]["int4_token"]["worse_at"] == G["lengths"], G["by"]["int4"]["worse_at"]),
         "on Gemma rotation hurts KIVI-2": _claim(
             G["by"]["kivi-2+rotate"]["short_verdict"] == "worse" and G["by"]["kivi-2"]["short_verdict"] != "worse"
             and set(G["by"]["kivi-2"]["worse_at"]) < set(G["by"]["kivi-2+rotate"]["worse_at"]),

@@ -191,7 +191,8 @@ def register(fmt: KVFormat) -> KVFormat:
 
 _VLLM_FP8 = (
     "vLLM --kv-cache-dtype fp8 / fp8_e4m3: FP8 E4M3 with one fp32 scale per tensor "
-    "(vLLM docs, 'Quantized KV Cache')"
+    "(vLLM docs, 'Quantized KV Cache'); kvlab computes the scale from the data, vLLM uses 1.0 unless the "
+    "checkpoint ships scales or --calculate-kv-scales is set (chapter 2 measures what that costs)"
 )
 for _fmt in (
     _same("fp32", _q("float32"), source="full precision"),
