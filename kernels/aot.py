@@ -20,7 +20,7 @@ there instead of with the append kernel.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -115,9 +115,8 @@ def preset_variants() -> list[Variant]:
                     v = Variant(k, "", sp["codes"], sp["kind"], sp["symmetric"], sp["scale_mode"], sp["n_groups"],
                                 "*" + sp["scale"], hd)
                     found.setdefault(spec_key(v), (v, []))[1].append(name)
-    return [Variant(v.kernel, f"{v.kernel} {'/'.join(dict.fromkeys(names))} (head_dim {v.head_dim})", *[
-        getattr(v, f) for f in ("codes", "kind", "symmetric", "scale_mode", "groups", "scale", "head_dim", "gqa")])
-        for v, names in found.values()]
+    return [replace(v, name=f"{v.kernel} {'/'.join(dict.fromkeys(names))} (head_dim {v.head_dim})")
+            for v, names in found.values()]
 
 
 def variants() -> list[Variant]:

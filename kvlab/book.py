@@ -192,17 +192,17 @@ def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int 
         if progress:
             print(f"  {p.name}: {counts['figures']} figures, {counts['widgets']} widget snapshots, "
                   f"{counts['seconds']:.0f} s", file=sys.stderr, flush=True)
-    extra = [NOTEBOOKS_DIR / f"{name}.md" for name in PAGES if (NOTEBOOKS_DIR / f"{name}.md").is_file()]
-    pages = [(p.with_suffix(".html").name, t) for p, _, t in executed]
-    pages += [(p.with_suffix(".html").name, title(_md_nb(p))) for p in extra]
-    for i, (name, t) in enumerate(pages):
+    # then the Markdown pages (glossary, bibliography), in the same chain of pages
+    docs = [(p.with_suffix(".html").name, t, nb) for p, nb, t in executed]
+    for name in PAGES:
+        if (NOTEBOOKS_DIR / f"{name}.md").is_file():
+            nb = _md_nb(NOTEBOOKS_DIR / f"{name}.md")
+            docs.append((f"{name}.html", title(nb), nb))
+            report[f"{name}.html"] = {"title": title(nb), "figures": 0, "widgets": 0}
+    pages = [(name, t) for name, t, _ in docs]
+    for i, (name, t, nb) in enumerate(docs):
         prev, nxt = pages[i - 1] if i else None, pages[i + 1] if i + 1 < len(pages) else None
-        if i < len(executed):
-            page = export(executed[i][1], t, prev, nxt)
-        else:
-            page = markdown_page(extra[i - len(executed)], prev, nxt)
-            report[name] = {"title": t, "figures": 0, "widgets": 0}
-        (out / name).write_text(page)
+        (out / name).write_text(export(nb, t, prev, nxt))
     items = "\n".join(f"<li><a href='{name}'>{html.escape(t)}</a></li>" for name, t in pages)
     (out / "index.html").write_text(
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvlab: KV-cache quantization, measured</title>"

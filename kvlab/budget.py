@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,22 @@ def preset_names() -> list[str]:
     if (DATA / "model" / "config.json").exists():
         names.append("kvlab-tiny")
     return names
+
+
+def _gib(name: str, value, *, positive: bool = False) -> float:
+    """A number of GiB: finite, at least 0 (above 0 with ``positive``), at most a million."""
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
+            or (positive and value == 0) or value > 1e6):
+        raise ValueError(f"{name} must be a finite number of GiB{' above 0' if positive else ', 0 or more'} "
+                         f"(at most 1e6), got {value!r}")
+    return float(value)
+
+
+def _fraction(name: str, value) -> float:
+    """A share of GPU memory, in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return float(value)
 
 
 def _positive_int(name: str, value, *, zero_ok: bool = False) -> int:
@@ -422,7 +439,8 @@ def gpus() -> dict[str, GPU]:
     doc = json.loads((PRESETS / "gpus.json").read_text())["gpus"]
     return {
         # the total the software reports (GiB) where a log gives it, else the vendor's GB as 1e9 bytes
-        k: GPU(k, int(v["memory_gib"] * GIB) if "memory_gib" in v else int(v["memory_gb"] * 1e9), v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12,
+        k: GPU(k, int(v["memory_gib"] * GIB) if "memory_gib" in v else int(v["memory_gb"] * 1e9),
+               v["bandwidth_gbs"] * 1e9, v["source"], v["bf16_dense_tflops"] * 1e12,
                v.get("usd_per_hour"), v.get("price_source", ""), v["memory_gb"])
         for k, v in doc.items()
     }
@@ -456,7 +474,8 @@ MAX_HOURLY_USD = 1e6  # a thousand times any listed rate
 
 
 def weights_bytes(model, weights_dtype: str = "bf16") -> int:
-    """Bytes of the model's weights in ``weights_dtype`` (scales of quantized weights ignored)."""
+    """Bytes of the model's weights in ``weights_dtype``, every weight at :data:`WEIGHT_BITS` (INT4's group
+    scales included)."""
     if not isinstance(weights_dtype, str) or weights_dtype not in WEIGHT_BITS:
         raise ValueError(f"weights dtype must be one of {', '.join(WEIGHT_BITS)}, got {weights_dtype!r}")
     shape = load_shape(model)
@@ -485,11 +504,8 @@ def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: fl
     what the engine keeps for itself (its profiled activation peak and memory torch does not manage;
     3.05 GiB by default, as vLLM logged for Llama-3-8B on an H100, vllm PR#10511).
     """
-    if isinstance(memory_utilization, bool) or not isinstance(memory_utilization, int | float) \
-            or not 0 < memory_utilization <= 1:
-        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
-    if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, int | float) or not 0 <= reserve_gib <= 1e6:
-        raise ValueError(f"reserve_gib must be a number of GiB, 0 or more, got {reserve_gib!r}")
+    memory_utilization = _fraction("memory_utilization", memory_utilization)
+    reserve_gib = _gib("reserve_gib", reserve_gib)
     tp = _positive_int("tp", tp)
     g = get_gpu(gpu)
     _check_tp(load_shape(model), tp)
@@ -556,7 +572,6 @@ def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dt
 # concurrency"); tests/test_budget.py reconciles this model with published logs (data/presets/vllm_logs.json).
 
 
-
 @dataclass(frozen=True)
 class EngineCache:
     """The KV cache a vLLM-style engine allocates on one GPU (one tensor-parallel rank)."""
@@ -580,16 +595,10 @@ def engine_available_bytes(total_gib: float, gpu_memory_utilization: float = 0.9
                            reserve_gib: float = DEFAULT_RESERVE_GIB) -> int:
     """Memory left for the cache: ``utilization x total - weights - reserve`` (activation peak and
     non-torch memory), in bytes, never below zero."""
-    for name, v, positive in (("total_gib", total_gib, True), ("weights_gib", weights_gib, False),
-                              ("reserve_gib", reserve_gib, False)):
-        if (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0
-                or (positive and v == 0) or v > 1e6):
-            raise ValueError(f"{name} must be a finite number of GiB{' above 0' if positive else ', 0 or more'} "
-                             f"(at most 1e6), got {v!r}")
-    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, int | float) \
-            or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    return max(0, int((gpu_memory_utilization * total_gib - weights_gib - reserve_gib) * GIB))
+    total_gib = _gib("total_gib", total_gib, positive=True)
+    weights_gib, reserve_gib = _gib("weights_gib", weights_gib), _gib("reserve_gib", reserve_gib)
+    share = _fraction("gpu_memory_utilization", gpu_memory_utilization)
+    return max(0, int((share * total_gib - weights_gib - reserve_gib) * GIB))
 
 
 def engine_cache(model, kv_format="bf16", available_bytes: int | None = None, *, tp: int = 1,
@@ -635,8 +644,6 @@ def read_vllm_log(lines) -> dict[str, float]:
 
     Paste your own server's log to compare it with :func:`engine_cache`. Only the fields found are returned.
     """
-    import re
-
     if isinstance(lines, str):
         lines = lines.splitlines()
     if not isinstance(lines, list | tuple) or not all(isinstance(x, str) for x in lines):
@@ -654,4 +661,29 @@ def read_vllm_log(lines) -> dict[str, float]:
                 if not math.isfinite(value) or value < 0:
                     raise ValueError(f"line {n}: {key} reads {text[:40]!r}, not a number vLLM prints")
                 out[key] = value
+    return out
+
+
+VLLM_LOGS = PRESETS / "vllm_logs.json"
+LOG_ROUNDING_GIB = 0.005  # the logs print GiB to two decimals
+
+
+def published_vllm_logs() -> list[dict]:
+    """The published start-up logs of ``data/presets/vllm_logs.json``, each read (``numbers``, from
+    :func:`read_vllm_log`) and set beside :func:`engine_cache`: ``logged_tokens`` (vLLM's count),
+    ``kvlab_tokens`` (from the printed cache memory), ``bytes_per_token``, ``ratio`` (vLLM / kvlab),
+    ``reserve_gib`` (non-torch + activation peak, where the log prints them) and ``within_rounding`` (vLLM's
+    count lies in what the printed GiB, +-0.005, allows)."""
+    out = []
+    for log in json.loads(VLLM_LOGS.read_text())["logs"]:
+        n = read_vllm_log(log["lines"])
+        fmt = "fp8_e4m3" if log["kv_cache_dtype"] == "fp8" else "bf16"
+        logged = int(n.get("tokens") or n["blocks"] * 16)
+
+        ours, lo, hi = (engine_cache(log["model"], fmt, int((n["available_gib"] + d) * GIB), tp=log["tp"])
+                        for d in (0, -LOG_ROUNDING_GIB, LOG_ROUNDING_GIB))
+        out.append(log | {"numbers": n, "fmt": fmt, "logged_tokens": logged, "kvlab_tokens": ours.tokens,
+                          "bytes_per_token": ours.bytes_per_token, "ratio": logged / ours.tokens,
+                          "within_rounding": lo.tokens <= logged <= hi.tokens,
+                          "reserve_gib": n["non_torch_gib"] + n["activation_gib"] if "activation_gib" in n else None})
     return out

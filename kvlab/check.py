@@ -129,14 +129,16 @@ class MultipleChoice:
             ),
         ])
 
-    def _ipython_display_(self):
+    def snapshot_html(self) -> str:
+        """The question as static HTML (the book): each option opens onto the feedback for picking it."""
         import html
 
-        # in the static book each option opens onto the feedback a reader would get for picking it
         items = "".join(f"<li><details><summary>{html.escape(o)}</summary><p>{html.escape(self.choices[o])}</p>"
                         f"</details></li>" for o in self.options)
-        _show(self.widget(), _reveal_html(f"<b>{html.escape(self.question)}</b>", f"<ol type='a'>{items}</ol>",
-                                          self._answer_html()))
+        return _reveal_html(f"<b>{html.escape(self.question)}</b>", f"<ol type='a'>{items}</ol>", self._answer_html())
+
+    def _ipython_display_(self):
+        _show(self.widget(), self.snapshot_html())
 
 
 class Numeric:

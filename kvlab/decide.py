@@ -105,15 +105,14 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
         replicas = -(-concurrency // room)
         if tp * replicas > max_gpus:
             continue
-        batch = -(-concurrency // replicas)  # the fullest replica's share; the others take one fewer
         shares = [concurrency // replicas + (i < concurrency % replicas) for i in range(replicas)]
-        st = step_time(model, batch, context, name, gpu, weights_dtype, tp=tp)
-        tps = sum(b / step_time(model, b, context, name, gpu, weights_dtype, tp=tp).seconds for b in set(shares)
-                  for _ in range(shares.count(b)))
+        batch = shares[0]  # the fullest replica's share; the others take the same or one fewer
+        step = {b: step_time(model, b, context, name, gpu, weights_dtype, tp=tp).seconds for b in set(shares)}
+        tps = sum(b / step[b] for b in shares)
         key = (tp * replicas, -tps)
         if best is None or key < best[0]:
             best = (key, {"kv_format": name, "tp": tp, "replicas": replicas, "gpus": tp * replicas,
-                          "per_replica": room, "batch_per_replica": batch, "step_ms": st.seconds * 1e3,
+                          "per_replica": room, "batch_per_replica": batch, "step_ms": step[batch] * 1e3,
                           "spare": replicas * room - concurrency,
                           "tokens_per_s": tps})
     if best is None:
@@ -131,12 +130,10 @@ def _reserves(reserve_gib) -> dict[int, float]:
         return {1: reserve_gib}
     if not reserve_gib or 1 not in reserve_gib:
         raise ValueError(f"reserve_gib as a dict must give tp=1 (GiB per GPU by tensor-parallel size), got {reserve_gib!r}")
-    for tp, v in reserve_gib.items():
+    for tp in reserve_gib:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"reserve_gib's keys must be tensor-parallel sizes (positive integers), got {tp!r}")
-        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1e6:
-            raise ValueError(f"reserve_gib[{tp}] must be a number of GiB, 0 or more, got {v!r}")
-    return dict(reserve_gib)
+    return {tp: B._gib(f"reserve_gib[{tp}]", v) for tp, v in reserve_gib.items()}
 
 
 def _quality(sweep: dict | None, fmt: str) -> dict:
@@ -172,6 +169,7 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
                          f"of engine reserve per GPU, {f.usable_bytes_per_gpu / B.GIB:.0f} GiB usable")
     base = None
     rows = []
+    eval_args = f"--lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 --haystack prose"
     for name in formats:
         b = B.budget(model, concurrency, context, name, tp=tp)
         fits = b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu
@@ -193,11 +191,24 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
             "cache_share": st.cache_share if st else None, "tokens_per_s": tps,
             "speedup": tps / base if base else None, "engines": engines,
             "quality": _quality(sweep, name),
-            "eval_args": f"--lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 --haystack prose",
-            "eval": (f"kvlab niah --endpoint {endpoint_hint} --lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 "
-                     f"--haystack prose"),
+            "eval_args": eval_args, "eval": f"kvlab niah --endpoint {endpoint_hint} {eval_args}",
         })
     return rows
+
+
+def switch_md(row: dict, baseline: str = "bf16") -> str:
+    """How to switch to ``row``'s format (a row of :func:`options`): each engine's flag as code (a note after it
+    in parentheses stays text), then the ``kvlab niah`` command comparing the two servers."""
+    def flag(text: str) -> str:
+        cmd, _, note = text.partition(" (")
+        return f"`{cmd}`" + (f" ({note}" if note else "")
+
+    name = row["kv_format"]
+    host = name.replace("_", "-")  # an underscore is not valid in a host name
+    lines = [f"* **{engine}**: {flag(text)}" for engine, text in row["engines"].items()]
+    return "\n".join(lines) + (
+        f"\n\n```bash\nkvlab niah --endpoint http://{baseline}-server:8000 --compare http://{host}-server:8000 \\\n"
+        f"    --tokenizer YOUR/MODEL {row['eval_args']} --out {name}-vs-{baseline}.json\n```")
 
 
 def markdown(rows: list[dict]) -> str:

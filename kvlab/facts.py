@@ -44,29 +44,8 @@ def _claim(ok, evidence=None) -> tuple[bool, object]:
 # --------------------------------------------------------------------------- chapter 1
 
 CH1 = dict(model="llama-3.1-70b", gpu="H200", weights="fp8", chats=100, context=32768, utilization=0.9)
-CH1_LOG = "llama3-8b-a100-40gb"
-TP2_RESERVE_GIB = 3.58 + 1.26  # vllm PR#10511: the same 8B model at tensor parallel 2 (non-torch + activation peak)  # the published vLLM log chapter 1 reads line by line (the one with every term)
-
-
-def vllm_logs() -> list[dict]:
-    """The published vLLM start-up logs (data/presets/vllm_logs.json), each with kvlab's count beside vLLM's."""
-    import json
-
-    from . import budget as B
-
-    doc = json.loads((B.PRESETS / "vllm_logs.json").read_text())
-    out = []
-    for log in doc["logs"]:
-        r = B.read_vllm_log(log["lines"])
-        fmt = "fp8_e4m3" if log["kv_cache_dtype"] == "fp8" else "bf16"
-        logged = int(r.get("tokens") or r["blocks"] * 16)
-        ours = B.engine_cache(log["model"], fmt, int(r["available_gib"] * B.GIB), tp=log["tp"])
-        bounds = [B.engine_cache(log["model"], fmt, int((r["available_gib"] + d) * B.GIB), tp=log["tp"]).tokens
-                  for d in (-0.005, 0.005)]  # the log prints GiB to two decimals
-        out.append(log | {"numbers": r, "fmt": fmt, "logged_tokens": logged, "kvlab_tokens": ours.tokens,
-                          "bytes_per_token": ours.bytes_per_token, "ratio": logged / ours.tokens,
-                          "within_rounding": bounds[0] <= logged <= bounds[1]})
-    return out
+CH1_LOG = "llama3-8b-a100-40gb"  # the published vLLM log chapter 1 reads line by line (the one with every term)
+TP2_RESERVE_GIB = 3.58 + 1.26  # vllm PR#10511: the same 8B model at tensor parallel 2 (non-torch + activation peak)
 
 
 def _logs_md(logs: list[dict]) -> str:
@@ -80,17 +59,6 @@ def _logs_md(logs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def vllm_logs_reserve() -> float:
-    """The largest engine reserve (non-torch memory + activation peak, GiB) a published log in vllm_logs.json prints."""
-    import json
-
-    from . import budget as B
-
-    doc = json.loads((B.PRESETS / "vllm_logs.json").read_text())
-    nums = [B.read_vllm_log(x["lines"]) for x in doc["logs"]]
-    return max(n["non_torch_gib"] + n["activation_gib"] for n in nums if "activation_gib" in n)
-
-
 def cache_budget() -> Facts:
     """Chapter 1: the 70B headline in GiB with the engine's reserve, weights vs cache quantization side by
     side, and kvlab's engine model read against published vLLM start-up logs."""
@@ -102,11 +70,14 @@ def cache_budget() -> Facts:
     chats = B.budget(c["model"], c["chats"], c["context"], "fp8_e4m3").cache_bytes_per_gpu
     grid = {(w, k): B.max_concurrency(c["model"], c["context"], k, c["gpu"], w)
             for w in ("bf16", "fp8", "int4") for k in ("bf16", "fp8_e4m3", "int4")}
-    logs = vllm_logs()
+    logs = B.published_vllm_logs()
     shown = next(x for x in logs if x["id"] == CH1_LOG)
     n = shown["numbers"]
     misses = [x for x in logs if not x["within_rounding"]]
     w4_kv8, w8_kv4 = grid[("int4", "fp8_e4m3")], grid[("fp8", "int4")]
+    (fp8_log,) = [x for x in logs if x["fmt"] == "fp8_e4m3"]
+    fp8_shape = B.load_shape(fp8_log["model"])
+    miss_shape = B.load_shape(misses[0]["model"]) if misses else None
     values = {
         **c, "gpu_gib": B.get_gpu(c["gpu"]).memory_bytes / G, "gpu_gb": B.get_gpu(c["gpu"]).nominal_gb,
         "int4_cache_engines": names_md(sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})).replace("`", ""),
@@ -121,14 +92,18 @@ def cache_budget() -> Facts:
         "logs": logs, "n_logs": len(logs), "n_models": len({x["model"] for x in logs}),
         "n_within": len(logs) - len(misses), "miss": misses[0] if misses else None,
         "miss_pct": (1 - misses[0]["ratio"]) * 100 if misses else 0.0,
-        "log": shown, "log_n": n, "log_reserve_gib": n["non_torch_gib"] + n["activation_gib"],
+        "miss_heads": max(1, miss_shape.layers[0].kv_heads // misses[0]["tp"]) if misses else None,
+        "fp8_log": fp8_log, "fp8_kib": fp8_log["numbers"]["available_gib"] * G / fp8_log["logged_tokens"] / 1024,
+        "fp8_shape": f"{fp8_shape.num_layers} layers, {fp8_shape.layers[0].kv_heads} KV heads of "
+                     f"{fp8_shape.layers[0].head_dim}",
+        "log": shown, "log_n": n, "log_reserve_gib": shown["reserve_gib"],
         "log_available_gib": B.engine_available_bytes(n["total_gib"], n["utilization"], n["weights_gib"],
-                                                      n["non_torch_gib"] + n["activation_gib"]) / G,
+                                                      shown["reserve_gib"]) / G,
         "log_concurrency": shown["logged_tokens"] / n["max_model_len"],
         "tp2_reserve_gib": TP2_RESERVE_GIB,
         "w8_kv8_big_reserve": B.max_concurrency(c["model"], c["context"], "fp8_e4m3", c["gpu"], c["weights"],
-                                                reserve_gib=n["non_torch_gib"] + n["activation_gib"]),
-        "rounding_tokens": 0.005 * G / shown["bytes_per_token"],
+                                                reserve_gib=shown["reserve_gib"]),
+        "rounding_tokens": B.LOG_ROUNDING_GIB * G / shown["bytes_per_token"],
         "default_reserve_gib": B.DEFAULT_RESERVE_GIB,
         "logs_md": _logs_md(logs),
         "grid_md": "| weights \\ KV cache | BF16 | FP8 | INT4 |\n|---|---:|---:|---:|\n" + "\n".join(
@@ -143,8 +118,12 @@ def cache_budget() -> Facts:
             _claim(all(grid[("int4", k)] > grid[("fp8", k)] for k in ("bf16", "fp8_e4m3", "int4")), grid),
         "the lever named is the one the grid shows": _claim(values["lever"] != "neither", (w4_kv8, w8_kv4)),
         "every published log but the one named lies within the printed rounding": _claim(len(misses) <= 1, len(misses)),
-        "the named miss is the tensor-parallel one, about 1% low":
-            _claim(not misses or (misses[0]["tp"] > 1 and 0.5 < values["miss_pct"] < 2), values["miss_pct"]),
+        "the named miss is the tensor-parallel one with an LMCache connector, about 1% low":
+            _claim(not misses or (misses[0]["tp"] > 1 and "LMCache" in misses[0]["model_note"]
+                                  and 0.5 < values["miss_pct"] < 2), values["miss_pct"]),
+        "the FP8 log's bytes per token are its stand-in preset's FP8 size (within 0.1%)":
+            _claim(abs(values["fp8_kib"] * 1024 / fp8_log["bytes_per_token"] - 1) < 0.001,
+                   (values["fp8_kib"], fp8_log["bytes_per_token"])),
         "the shown log's breakdown gives its printed cache memory":
             _claim(abs(values["log_available_gib"] - n["available_gib"]) <= 0.01, values["log_available_gib"]),
         "the logs cover at least four models and two cache dtypes":
@@ -250,7 +229,7 @@ def _lists(sweep, stage: str) -> dict:
 
     if not sweep.lengths(stage):
         return {"measured": False, "lengths": [], "never": [], "short": [], "later": [], "trap": [], "by": {},
-                "never_md": "none", "short_md": "none", "later_md": "none", "trap_md": "none", "flips": []}
+                "never_md": "none", "short_md": "none", "later_md": "none", "trap_md": "none", "flips": [], "status": {}}
     by = {r["kv_format"]: r for r in rungs(sweep, stage)}
     lengths = sweep.lengths(stage)
     fell = {f: r["worse_at"] for f, r in by.items() if r["worse_at"]}
@@ -269,6 +248,8 @@ def _lists(sweep, stage: str) -> dict:
         "ref": {n: sweep.counts("filler" if stage == "cached" else stage, "fp32", n) for n in lengths},
         "cell": {(r["kv_format"], r["length"]): r for r in sweep.table(stage)},  # rate, lost, gained, p, verdict
         "c": {f"{r['kv_format']} {r['length']}": r for r in sweep.table(stage)},  # the same, for templates: {G[c][int4 1024]}
+        "status": {f: "never worse" if not r["worse_at"] else "worse at " + ", ".join(_k(n) for n in r["worse_at"])
+                   for f, r in by.items()},
     }
 
 
@@ -312,7 +293,8 @@ def values_per_scale(fmt: str, head_dim: int) -> str:
     """How many of a key's values share one scale: the granularity that decides INT4's fate (as text)."""
     from .formats import get_format
 
-    q = get_format(fmt.split("@")[0]).key
+    f = get_format(fmt)
+    q = (f.layers[0][1] if f.layers else f).key  # a per-layer-type mix: the format of the layers it quantizes
     if q.is_passthrough:
         return "—"
     if q.granularity == "tensor":
@@ -360,13 +342,10 @@ def _formats_md(fmts: list[str]) -> str:
 
     rows = []
     for f in dict.fromkeys(fmts):
-        base = get_format(f.split("@")[0])
-        where = {"@global": "INT4 per token on the 3 global layers only, fp32 elsewhere",
-                 "@sliding": "INT4 per token on the 15 windowed layers only, fp32 elsewhere"}
-        note = next((v for k, v in where.items() if f.endswith(k)), base.source)
+        fmt = get_format(f)
         per = " / ".join(values_per_scale(f, hd) for hd in (64, 256))
-        bits = " / ".join(f"{base.bits_per_element(hd):.3g}" for hd in (64, 256)) if "@" not in f else "—"
-        rows.append(f"| `{f}` | {per} | {bits} | {note} |")
+        bits = "—" if fmt.layers else " / ".join(f"{fmt.bits_per_element(hd):.3g}" for hd in (64, 256))
+        rows.append(f"| `{f}` | {per} | {bits} | {fmt.source} |")
     return ("| format | values sharing a scale (head_dim 64 / 256) | bits an element (64 / 256) | what it is |\n"
             "|---|---|---|---|\n" + "\n".join(rows))
 
@@ -624,8 +603,6 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["grows_all_md"] = names_md(m["grows_all"])
         m["grows_names_md"] = names_md(m["grows_common"])
         m["common_longest_k"] = _k(upto[-1])
-        m["status"] = {f: ("never worse" if not r["worse_at"] else
-                           "worse at " + ", ".join(_k(n) for n in r["worse_at"])) for f, r in m["by"].items()}
         m["flipped_at_longest"] = [f for f in m["by"] if (f, L) in cell and cell[f, L]["gained"] >= 2]
         m["flipped_at_longest_md"] = names_md(m["flipped_at_longest"])
         m["int4_at"] = ", ".join(_k(n) for n in m["by"]["int4"]["worse_at"]) or "no length" if "int4" in m["by"] else "—"
@@ -893,7 +870,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     safe = [f for f in picks if f != "bf16" and f in gemma["never"] and gemma["ppl"].get(f, 1) < PPL_TOLERANCE
             and plans.get(f)]
     call = min(safe, key=lambda f: (plans[f]["gpus"], plans[f]["usd_per_million_tokens"])) if safe else None
-    big = vllm_logs_reserve()  # the largest reserve a published log shows (chapter 1.5)
+    big = next(x for x in B.published_vllm_logs() if x["id"] == CH1_LOG)["reserve_gib"]  # chapter 1.5's log
     plans_big = {"bf16": decide.plan(model, gpu, context, concurrency, "bf16", weights_dtype=weights, reserve_gib=big),
                  "call": decide.plan(model, gpu, context, concurrency, call, weights_dtype=weights, reserve_gib=big)
                  if call else None}
@@ -963,6 +940,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "a reserve that grows with tensor parallelism costs BF16 a GPU but not the call":
             _claim(plans_grown["bf16"]["gpus"] > plans["bf16"]["gpus"] and plans_grown[call]["gpus"] == plans[call]["gpus"],
                    (plans_grown["bf16"], plans_grown[call])),
+        "the quiz's INT4 needs fewer GPUs than the call but was worse on Gemma's needle and over the perplexity bar":
+            _claim(plans["int4"]["gpus"] < plans[call]["gpus"] and bool(gemma["by"]["int4"]["worse_at"])
+                   and q["int4"]["ppl_increase"] > PPL_TOLERANCE, (plans["int4"], gemma["by"]["int4"]["worse_at"])),
+        "of the quiz's four options BF16 needs the most GPUs":
+            _claim(plans["bf16"]["gpus"] > max(plans[f]["gpus"] for f in (call, "int4", "kivi-4")), plans),
         "KIVI-4 passed every test and fits the fewest GPUs but no engine offers it":
             _claim("kivi-4" in at_fewest and not by["kivi-4"]["engines"] and "kivi-4" in gemma["never"]),
         "NVFP4 is in neither of chapter 4's needle sweeps": _claim("nvfp4" not in sweep["formats"] and "nvfp4" not in gemma["by"]),
@@ -979,13 +961,7 @@ def _plans_md(plans: dict, gemma: dict, q: dict, by: dict) -> str:
     rows = ["| format | GPUs | layout | spare | tokens/s | $ / M tokens | Gemma needle to 32k | perplexity SmolLM2 · Gemma "
             "| offered by |", "|---|---:|---|---:|---:|---:|---|---|---|"]
     for f, p in plans.items():
-        g = gemma["by"].get(f)
-        if f == "bf16" or f == "fp32":
-            needle = "reference"
-        elif g is None:
-            needle = "not measured"
-        else:
-            needle = "never worse" if not g["worse_at"] else f"worse at {', '.join(_k(n) for n in g['worse_at'])}"
+        needle = "reference" if f in ("bf16", "fp32") else gemma["status"].get(f, "not measured")
         sm = q.get(f, {})
         ppl = (f"{sm['ppl_increase']:+.1%}" if sm.get("measured") else "—") + " · " + \
             (f"{gemma['ppl'][f]:+.1%}" if f in gemma["ppl"] else "—")

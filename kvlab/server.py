@@ -96,6 +96,25 @@ def _json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
     return True
 
 
+def _error_doc(status: int, message: str) -> dict:
+    """The OpenAI-shaped error body every answer but a success carries."""
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                      "code": status}}
+
+
+def _raw_error(status: int, reason: str, message: str, headers: bytes = b"") -> bytes:
+    """A whole HTTP/1.0 error answer as bytes, for the places that write straight onto a socket (a handler
+    still blocked reading, a connection turned away before it has a handler)."""
+    body = json.dumps(_error_doc(status, message)).encode()
+    return (b"HTTP/1.0 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n" % (status, reason.encode())
+            + headers + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def _listed(keys: list[str]) -> str:
+    """At most five field names, each cut to 40 characters, and how many more (an error message stays short)."""
+    return ", ".join(repr(k[:40]) for k in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
 class _Handler(BaseHTTPRequestHandler):
     """HTTP for one :class:`CompletionServer` (``server.kvlab``): validation here, the model in the server."""
 
@@ -151,11 +170,8 @@ class _Handler(BaseHTTPRequestHandler):
         if getattr(self, "_answered_timeout", False):
             return
         self._answered_timeout = True
-        body = json.dumps({"error": {"message": "the request was not sent in time", "type": "invalid_request_error",
-                                     "code": 408}}).encode()
         try:
-            self.connection.sendall(b"HTTP/1.0 408 Request Timeout\r\nContent-Type: application/json\r\n"
-                                    b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            self.connection.sendall(_raw_error(408, "Request Timeout", "the request was not sent in time"))
         except OSError:
             pass
 
@@ -199,8 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def _error(self, status: int, message: str):
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        self._send(status, {"error": {"message": message, "type": kind, "code": status}})
+        self._send(status, _error_doc(status, message))
 
     def do_GET(self):
         srv = self.server.kvlab
@@ -301,10 +316,8 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
-            body = b'{"error": {"message": "too many connections; retry", "type": "server_error", "code": 503}}'
             try:
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                request.sendall(_raw_error(503, "Service Unavailable", "too many connections; retry", b"Retry-After: 1\r\n"))
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -407,8 +420,7 @@ class CompletionServer:
 
     def tokenize(self, body: dict) -> dict:
         if unknown := sorted(set(body) - self.TOKENIZE_FIELDS):
-            shown = ", ".join(repr(k[:40]) for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            raise RequestError(400, f"/tokenize does not take {shown}; it takes 'prompt' (vLLM) or 'content' "
+            raise RequestError(400, f"/tokenize does not take {_listed(unknown)}; it takes 'prompt' (vLLM) or 'content' "
                                     "(llama.cpp), and optionally 'model' and 'add_special_tokens'")
         if ("prompt" in body) == ("content" in body) or not isinstance(body.get("prompt", body.get("content")), str):
             raise RequestError(400, "/tokenize takes one text: {'prompt': text} (vLLM) or {'content': text} (llama.cpp)")
@@ -440,7 +452,7 @@ class CompletionServer:
         """
         unknown = sorted(set(body) - FIELDS)
         if unknown:
-            raise RequestError(400, f"unsupported field(s) {', '.join(map(repr, unknown[:5]))}; this server reads "
+            raise RequestError(400, f"unsupported field(s) {_listed(unknown)}; this server reads "
                                     f"{', '.join(sorted(FIELDS))}")
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise RequestError(400, f"'model' must be a string, got {str(body['model'])[:40]!r}")

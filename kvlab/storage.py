@@ -359,7 +359,7 @@ class KVStore:
 def kernel_spec(q: Quantizer, head_dim: int) -> dict:
     """The kernels' compile-time description of ``q``'s storage at ``head_dim``: ``kind``, ``symmetric``,
     ``scale_mode``, ``n_groups`` (scale groups per token), and the element types of the codes and scales
-    (``codes``: "fp16", "bf16", "fp8_e4m3", "fp8_e5m2" or "bytes"; ``scale``: "fp16" or "fp32"). The one
+    (``codes``: "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2" or "bytes"; ``scale``: "fp16" or "fp32"). The one
     place these numbers are derived: the cache passes them to the kernels, and the ahead-of-time
     compile matrix (kvlab.kernels.aot) compiles every one a preset produces."""
     check_kernel_readable(q)

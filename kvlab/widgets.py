@@ -17,7 +17,7 @@ from .formats import get_format
 from .results import PPL_TOLERANCE
 from .simulator import cost_table_html
 
-GiB = 1024**3
+GiB = B.GIB
 CONTEXTS = [2**k for k in range(9, 21)]  # 512 .. 1M tokens
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "kivi-2")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # FP8 and INT8 cost nearly the same: tell them apart
