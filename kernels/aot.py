@@ -11,7 +11,7 @@ subprocess): under the interpreter the kernels are not compilable functions.
 
 What a GPU lacks is a documented fallback, not a failure: Triton has no FP8 E4M3 type before sm_89
 (Ada; sm_80 offers only E5M2 and a non-standard E4M3 with bias 15), so ``decode_attention`` reads FP8
-codes as bytes on those GPUs (KIND 4 / 5) and :class:`kvlab.storage.KVStore` quantizes FP8 on the host
+codes as bytes on those GPUs (``Kind.FP8_E4M3_BYTES`` / ``FP8_E5M2_BYTES``) and :class:`kvlab.storage.KVStore` quantizes FP8 on the host
 there instead of with the append kernel.
 
     TRITON_INTERPRET=0 python -m kvlab.kernels.aot [out.json]   # the whole matrix, as JSON
@@ -26,11 +26,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kvlab.layout import Kind, ScaleMode
+
 from . import decode_attention as da
 from . import quantize_append as qa
 
 ARCHS = {80: "A100 (sm_80)", 89: "L4 / RTX 4090 (sm_89)", 90: "H100 / H200 (sm_90)"}
 CODE_TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5", "bytes": "*u8"}
+# a layout's code dtype (torch's name) -> the key above; scale dtype -> Triton pointer type
+CODE_KEYS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3",
+             "float8_e5m2": "fp8_e5m2", "uint8": "bytes"}
+SCALE_TYPES = {"float16": "*fp16", "float32": "*fp32"}
 FP8_NATIVE_MIN_ARCH = 89
 
 
@@ -41,9 +47,9 @@ class Variant:
     kernel: str  # "split", "merge" or "append"
     name: str
     codes: str = "fp16"  # key of CODE_TYPES
-    kind: int = 0  # the kernels' KIND
+    kind: Kind = Kind.FLOAT
     symmetric: bool = True
-    scale_mode: int = 0  # 0 none, 1 per tensor, 2 per token / group
+    scale_mode: ScaleMode = ScaleMode.NONE
     groups: int = 1
     scale: str = "*fp16"
     head_dim: int = 128
@@ -76,7 +82,7 @@ def _merge(v: Variant):
 
 
 def _append(v: Variant):
-    s = {"X": "*fp32", "CODES": CODE_TYPES[v.codes] if v.kind != 3 and v.kind != 2 else "*u8", "SCALE": v.scale,
+    s = {"X": "*fp32", "CODES": CODE_TYPES[v.codes], "SCALE": v.scale,
          "ZERO": v.scale, "POS": "*i32"}
     s.update({n: "i32" for n in ("stride_xb", "stride_xh", "stride_xt", "stride_cb", "stride_ch", "stride_ct",
                                  "stride_sb", "stride_sh", "stride_st")})
@@ -93,12 +99,19 @@ def spec_key(v: Variant) -> tuple:
     return (v.kernel, v.codes, v.kind, v.symmetric, v.scale_mode, v.groups, v.scale, v.head_dim, v.gqa)
 
 
+def layout_variant(lay, kernel: str = "split") -> Variant:
+    """The variant that compiles ``lay`` (a :class:`kvlab.layout.Layout` the kernels read), unnamed."""
+    c = lay.kernel_constants()
+    return Variant(kernel, "", CODE_KEYS[lay.code_dtype], c["kind"], c["symmetric"], c["scale_mode"], c["n_groups"],
+                   SCALE_TYPES.get(lay.scale_dtype, "*fp16"), lay.head_dim)
+
+
 def preset_variants() -> list[Variant]:
     """Every specialisation a kvlab preset produces at head_dim 64 and 128, derived from the format itself
-    (:func:`kvlab.storage.kernel_spec`): the split kernel for each, and the append kernel where it applies
+    (:class:`kvlab.layout.Layout`): the split kernel for each, and the append kernel where it applies
     (not for q4_0's full-range rounding, which ``KVStore.append`` does on the host)."""
-    from ..formats import format_names, get_format
-    from ..storage import kernel_readable, kernel_spec
+    from kvlab.formats import format_names, get_format
+    from kvlab.layout import Layout, kernel_readable
 
     found: dict[tuple, tuple[Variant, list[str]]] = {}
     for name in format_names():
@@ -109,11 +122,9 @@ def preset_variants() -> list[Variant]:
             for hd in HEAD_DIMS:
                 if q.granularity == "group" and q.group_axis == "channel" and hd % q.group_size:
                     continue
-                sp = kernel_spec(q, hd)
-                kernels = ["split"] + ([] if q.full_range else ["append"])
-                for k in kernels:
-                    v = Variant(k, "", sp["codes"], sp["kind"], sp["symmetric"], sp["scale_mode"], sp["n_groups"],
-                                "*" + sp["scale"], hd)
+                v = layout_variant(Layout(q, hd))
+                for k in ["split"] + ([] if q.full_range else ["append"]):
+                    v = replace(v, kernel=k)
                     found.setdefault(spec_key(v), (v, []))[1].append(name)
     return [replace(v, name=f"{v.kernel} {'/'.join(dict.fromkeys(names))} (head_dim {v.head_dim})")
             for v, names in found.values()]
@@ -124,28 +135,28 @@ def variants() -> list[Variant]:
     element type, two head_dims and three GQA ratios where they change the code)."""
     split = [
         Variant("split", "fp16", "fp16"), Variant("split", "bf16", "bf16"),
-        Variant("split", "fp8_e4m3 per tensor", "fp8_e4m3", 1, scale_mode=1, scale="*fp32"),
-        Variant("split", "fp8_e5m2 per tensor", "fp8_e5m2", 1, scale_mode=1, scale="*fp32"),
-        Variant("split", "fp8_e4m3 per token", "fp8_e4m3", 1, scale_mode=2),
-        Variant("split", "fp8_e4m3 as bytes", "bytes", 4, scale_mode=1, scale="*fp32"),
-        Variant("split", "fp8_e5m2 as bytes", "bytes", 5, scale_mode=1, scale="*fp32"),
-        Variant("split", "int8 per token", "bytes", 2, scale_mode=2),
-        Variant("split", "int8 per tensor", "bytes", 2, scale_mode=1),
-        Variant("split", "int4 asym g64 (int4)", "bytes", 3, False, 2, groups=2),
-        Variant("split", "int4 per token", "bytes", 3, True, 2),
-        Variant("split", "int4 per tensor", "bytes", 3, True, 1),
-        Variant("split", "q4_0 (g32)", "bytes", 3, True, 2, groups=4),
-        Variant("split", "int4 asym, head_dim 64, MHA", "bytes", 3, False, 2, head_dim=64, gqa=1),
+        Variant("split", "fp8_e4m3 per tensor", "fp8_e4m3", Kind.FP8, scale_mode=ScaleMode.TENSOR, scale="*fp32"),
+        Variant("split", "fp8_e5m2 per tensor", "fp8_e5m2", Kind.FP8, scale_mode=ScaleMode.TENSOR, scale="*fp32"),
+        Variant("split", "fp8_e4m3 per token", "fp8_e4m3", Kind.FP8, scale_mode=ScaleMode.TOKEN),
+        Variant("split", "fp8_e4m3 as bytes", "bytes", Kind.FP8_E4M3_BYTES, scale_mode=ScaleMode.TENSOR, scale="*fp32"),
+        Variant("split", "fp8_e5m2 as bytes", "bytes", Kind.FP8_E5M2_BYTES, scale_mode=ScaleMode.TENSOR, scale="*fp32"),
+        Variant("split", "int8 per token", "bytes", Kind.INT8, scale_mode=ScaleMode.TOKEN),
+        Variant("split", "int8 per tensor", "bytes", Kind.INT8, scale_mode=ScaleMode.TENSOR),
+        Variant("split", "int4 asym g64 (int4)", "bytes", Kind.INT4, False, ScaleMode.TOKEN, groups=2),
+        Variant("split", "int4 per token", "bytes", Kind.INT4, True, ScaleMode.TOKEN),
+        Variant("split", "int4 per tensor", "bytes", Kind.INT4, True, ScaleMode.TENSOR),
+        Variant("split", "q4_0 (g32)", "bytes", Kind.INT4, True, ScaleMode.TOKEN, groups=4),
+        Variant("split", "int4 asym, head_dim 64, MHA", "bytes", Kind.INT4, False, ScaleMode.TOKEN, head_dim=64, gqa=1),
         Variant("split", "fp16, head_dim 64, GQA 8", "fp16", head_dim=64, gqa=8),
-        Variant("split", "int8 per token, GQA 8", "bytes", 2, scale_mode=2, gqa=8),
+        Variant("split", "int8 per token, GQA 8", "bytes", Kind.INT8, scale_mode=ScaleMode.TOKEN, gqa=8),
     ]
     merge = [Variant("merge", "merge, head_dim 128"), Variant("merge", "merge, head_dim 64", head_dim=64)]
     append = [
         Variant("append", "append fp16", "fp16"),
-        Variant("append", "append int8 per token", "bytes", 2, scale_mode=2),
-        Variant("append", "append int4 asym g64", "bytes", 3, False, 2, groups=2),
-        Variant("append", "append int4 per token", "bytes", 3, True, 2),
-        Variant("append", "append fp8_e4m3 per token", "fp8_e4m3", 1, scale_mode=2),
+        Variant("append", "append int8 per token", "bytes", Kind.INT8, scale_mode=ScaleMode.TOKEN),
+        Variant("append", "append int4 asym g64", "bytes", Kind.INT4, False, ScaleMode.TOKEN, groups=2),
+        Variant("append", "append int4 per token", "bytes", Kind.INT4, True, ScaleMode.TOKEN),
+        Variant("append", "append fp8_e4m3 per token", "fp8_e4m3", Kind.FP8, scale_mode=ScaleMode.TOKEN),
     ]
     hand = split + merge + append
     have = {spec_key(v) for v in hand}

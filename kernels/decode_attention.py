@@ -42,9 +42,18 @@ from . import HAVE_TRITON, tl, triton  # kvlab.kernels sets up the interpreter f
 if not HAVE_TRITON:
     raise ImportError("triton is not installed: the decode kernel is unavailable (the torch reference still is)")
 
+from kvlab.layout import Kind, ScaleMode
 from kvlab.storage import KVStore, kernel_args
 
 from .reference import decode_attention_reference  # noqa: F401  (re-exported beside the kernel)
+
+# kvlab.layout's kinds and scale modes as compile-time constants the jit functions can read
+INT8: tl.constexpr = tl.constexpr(int(Kind.INT8))
+INT4: tl.constexpr = tl.constexpr(int(Kind.INT4))
+E4M3_BYTES: tl.constexpr = tl.constexpr(int(Kind.FP8_E4M3_BYTES))
+E5M2_BYTES: tl.constexpr = tl.constexpr(int(Kind.FP8_E5M2_BYTES))
+PER_TENSOR: tl.constexpr = tl.constexpr(int(ScaleMode.TENSOR))
+PER_TOKEN: tl.constexpr = tl.constexpr(int(ScaleMode.TOKEN))
 
 # --------------------------------------------------------------------------- kernels
 
@@ -73,29 +82,29 @@ def _load_tile(codes_ptr, scale_ptr, zero_ptr, base_row, offs_n, offs_d, mask_n,
                KIND: tl.constexpr, SYMMETRIC: tl.constexpr, SCALE_MODE: tl.constexpr):
     """Load BLOCK_N tokens x HEAD_DIM values of K or V and dequantize them to float32.
 
-    KIND: 0 float, 1 FP8 (native conversion), 2 INT8, 3 INT4, 4 / 5 FP8 E4M3 / E5M2 read as bytes.
+    KIND and SCALE_MODE: :class:`kvlab.layout.Kind` and :class:`kvlab.layout.ScaleMode`.
     """
     rows = base_row + offs_n  # token index inside this (batch, head)
-    if KIND == 3:  # int4: two codes per byte, element 2i in the low nibble
+    if KIND == INT4:  # two codes per byte, element 2i in the low nibble
         byte = tl.load(codes_ptr + rows[:, None] * stride_t + (offs_d // 2)[None, :], mask=mask_n[:, None])
         x = ((byte >> ((offs_d % 2) * 4)[None, :]) & 0xF).to(tl.float32)
     else:
         raw = tl.load(codes_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=mask_n[:, None])
-        if KIND == 4 or KIND == 5:
-            x = _fp8_bits_to_f32(raw, KIND == 4)
+        if KIND == E4M3_BYTES or KIND == E5M2_BYTES:
+            x = _fp8_bits_to_f32(raw, KIND == E4M3_BYTES)
         else:
             x = raw.to(tl.float32)
     # Rows past the end were not loaded: make them exact zeros (0 * p stays 0, never NaN).
     x = tl.where(mask_n[:, None], x, 0.0)
-    IS_INT: tl.constexpr = KIND == 2 or KIND == 3
+    IS_INT: tl.constexpr = KIND == INT8 or KIND == INT4
     if IS_INT:
         if SYMMETRIC:  # unsigned storage: subtract the 2^(bits-1) offset
-            x = x - (128.0 if KIND == 2 else 8.0)
-    if SCALE_MODE == 1:  # one scale for the whole tensor
+            x = x - (128.0 if KIND == INT8 else 8.0)
+    if SCALE_MODE == PER_TENSOR:  # one scale for the whole tensor
         x = x * tl.load(scale_ptr).to(tl.float32)
         if IS_INT and not SYMMETRIC:
             x = x + tl.load(zero_ptr).to(tl.float32)
-    elif SCALE_MODE == 2:  # a scale per token per group of GROUP channels
+    elif SCALE_MODE == PER_TOKEN:  # a scale per token per group of GROUP channels
         sp = rows[:, None] * s_stride_t + (offs_d // GROUP)[None, :]
         x = x * tl.load(scale_ptr + sp, mask=mask_n[:, None], other=1.0).to(tl.float32)
         if IS_INT and not SYMMETRIC:
@@ -195,11 +204,9 @@ def fp8_needs_bits(device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
 
 
-def _codes_and_kind(store: KVStore, kind: int, bits: bool):
-    """The codes pointer and KIND the kernel gets: FP8 as bytes (KIND 4 / 5) where ``bits``."""
-    if kind == 1 and bits:
-        return store.codes.view(torch.uint8), 4 if store.codes.dtype == torch.float8_e4m3fn else 5
-    return store.codes, kind
+def _codes(store: KVStore, kind: Kind):
+    """The codes pointer the kernel gets: FP8 read as bytes is the same buffer viewed as uint8."""
+    return store.codes.view(torch.uint8) if kind in (Kind.FP8_E4M3_BYTES, Kind.FP8_E5M2_BYTES) else store.codes
 
 
 def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Tensor,
@@ -213,13 +220,12 @@ def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Te
     head with ``return_lse``). ``fp8_bits``: read FP8 codes as bytes and convert them with integer
     operations (default: only on GPUs without FP8 conversions, see :func:`fp8_needs_bits`).
     """
-    ka, va = _validate(q, k, v, seq_lens, block_n, num_splits)
+    bits = fp8_needs_bits(q.device) if fp8_bits is None else bool(fp8_bits)
+    ka, va = _validate(q, k, v, seq_lens, block_n, num_splits, bits)
     if scaling is not None and (isinstance(scaling, bool) or not isinstance(scaling, int | float)
                                 or not math.isfinite(scaling) or scaling <= 0):
         raise ValueError(f"scaling must be a finite positive number (or None for head_dim**-0.5), got {scaling!r}")
-    bits = fp8_needs_bits(q.device) if fp8_bits is None else bool(fp8_bits)
-    k_codes, k_kind = _codes_and_kind(k, ka["kind"], bits)
-    v_codes, v_kind = _codes_and_kind(v, va["kind"], bits)
+    k_codes, v_codes = _codes(k, ka["kind"]), _codes(v, va["kind"])
     q = q.contiguous()
     B, Hq, D = q.shape
     Hkv = k.codes.shape[1]
@@ -246,8 +252,8 @@ def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Te
         *o_part.stride()[:3], *lse_part.stride()[:2],
         per_split,
         QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, BLOCK_N=block_n,
-        K_KIND=k_kind, K_SYM=ka["symmetric"], K_SCALE_MODE=ka["scale_mode"], K_GROUPS=ka["n_groups"],
-        V_KIND=v_kind, V_SYM=va["symmetric"], V_SCALE_MODE=va["scale_mode"], V_GROUPS=va["n_groups"],
+        K_KIND=ka["kind"], K_SYM=ka["symmetric"], K_SCALE_MODE=ka["scale_mode"], K_GROUPS=ka["n_groups"],
+        V_KIND=va["kind"], V_SYM=va["symmetric"], V_SCALE_MODE=va["scale_mode"], V_GROUPS=va["n_groups"],
     )
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
     _merge_kernel[(B, Hq)](
@@ -259,7 +265,7 @@ def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Te
     return out
 
 
-def _validate(q, k, v, seq_lens, block_n, num_splits):
+def _validate(q, k, v, seq_lens, block_n, num_splits, fp8_bits=False):
     """Check everything the kernel would otherwise trust; return the stores' kernel constants."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a float tensor [batch, q_heads, head_dim], got {getattr(q, 'shape', type(q))}")
@@ -272,7 +278,7 @@ def _validate(q, k, v, seq_lens, block_n, num_splits):
             raise TypeError(f"{name} must be a kvlab.storage.KVStore, got {type(t).__name__}")
         if t.codes is None or t.tokens == 0:
             raise ValueError(f"{name} holds no tokens")
-        args.append(kernel_args(t))  # raises for formats the kernel does not read
+        args.append(kernel_args(t, fp8_bits))  # raises for formats the kernel does not read
         if t.head_dim != D:
             raise ValueError(f"{name} head_dim {t.head_dim} != q head_dim {D}")
         if t.codes.shape[0] != B:
@@ -281,7 +287,7 @@ def _validate(q, k, v, seq_lens, block_n, num_splits):
             raise ValueError(f"{name} is on {t.codes.device}, q on {q.device}")
         if t.codes.stride(-1) != 1:
             raise ValueError(f"{name} codes must be contiguous along head_dim (stride {t.codes.stride(-1)})")
-        if args[-1]["scale_mode"] == 2:  # per-token scales must exist for every token the kernel may read
+        if args[-1]["scale_mode"] == ScaleMode.TOKEN:  # per-token scales must exist for every token the kernel may read
             if t.scale.shape[:3] != t.codes.shape[:3] or t.scale.stride(-1) != 1:
                 raise ValueError(f"{name} scales {tuple(t.scale.shape)} do not cover its codes "
                                  f"{tuple(t.codes.shape)} token for token")

@@ -22,12 +22,19 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.layout import Kind, ScaleMode
 from kvlab.storage import KVStore, kernel_args
 
 from . import HAVE_TRITON, tl, triton
 
 if not HAVE_TRITON:
     raise ImportError("triton is not installed: the append kernel is unavailable")
+
+# kvlab.layout's kinds and scale modes as compile-time constants the jit function can read
+FLOAT: tl.constexpr = tl.constexpr(int(Kind.FLOAT))
+FP8: tl.constexpr = tl.constexpr(int(Kind.FP8))
+INT8: tl.constexpr = tl.constexpr(int(Kind.INT8))
+PER_TENSOR: tl.constexpr = tl.constexpr(int(ScaleMode.TENSOR))
 
 
 @triton.jit
@@ -63,13 +70,13 @@ def _append_kernel(X, CODES, SCALE, ZERO, POS,
     c_base = CODES + b * stride_cb + h * stride_ch + row * stride_ct
     s_base = SCALE + b * stride_sb + h * stride_sh + row * stride_st
     z_base = ZERO + b * stride_sb + h * stride_sh + row * stride_st
-    if KIND == 0:  # plain float: a cast
+    if KIND == FLOAT:  # a cast
         tl.store(c_base + offs, x.to(CODES.dtype.element_ty))
     else:
         xg = tl.reshape(x, (N_GROUPS, GS))
         offs_g = tl.arange(0, N_GROUPS)
-        if KIND == 1:  # fp8, saturating
-            if SCALE_MODE == 1:
+        if KIND == FP8:  # saturating
+            if SCALE_MODE == PER_TENSOR:
                 s = tl.zeros((N_GROUPS,), tl.float32) + tl.load(SCALE).to(tl.float32)
             else:
                 s = _fp16_scale(tl.max(tl.abs(xg), axis=1) / FP8_MAX)
@@ -77,10 +84,10 @@ def _append_kernel(X, CODES, SCALE, ZERO, POS,
             y = tl.minimum(tl.maximum(xg / s[:, None], -FP8_MAX), FP8_MAX)
             tl.store(c_base + offs, tl.reshape(y, (HEAD_DIM,)).to(CODES.dtype.element_ty))
         else:
-            BITS: tl.constexpr = 8 if KIND == 2 else 4
+            BITS: tl.constexpr = 8 if KIND == INT8 else 4
             if SYMMETRIC:
                 QMAX: tl.constexpr = 2 ** (BITS - 1) - 1
-                if SCALE_MODE == 1:
+                if SCALE_MODE == PER_TENSOR:
                     s = tl.zeros((N_GROUPS,), tl.float32) + tl.load(SCALE).to(tl.float32)
                 else:
                     s = _fp16_scale(tl.max(tl.abs(xg), axis=1) / QMAX)
@@ -89,7 +96,7 @@ def _append_kernel(X, CODES, SCALE, ZERO, POS,
                 q = tl.minimum(tl.maximum(q, -QMAX), QMAX) + 2 ** (BITS - 1)
             else:
                 LEVELS: tl.constexpr = 2**BITS - 1
-                if SCALE_MODE == 1:
+                if SCALE_MODE == PER_TENSOR:
                     s = tl.zeros((N_GROUPS,), tl.float32) + tl.load(SCALE).to(tl.float32)
                     z = tl.zeros((N_GROUPS,), tl.float32) + tl.load(ZERO).to(tl.float32)
                 else:
@@ -102,7 +109,7 @@ def _append_kernel(X, CODES, SCALE, ZERO, POS,
                 q = _round_half_even((xg - z[:, None]) / s[:, None])
                 q = tl.minimum(tl.maximum(q, 0.0), LEVELS)
             q = tl.reshape(q, (HEAD_DIM,)).to(tl.uint8)
-            if KIND == 2:
+            if KIND == INT8:
                 tl.store(c_base + offs, q)
             else:  # two codes per byte, element 2i in the low nibble
                 lo, hi = tl.split(tl.reshape(q, (HEAD_DIM // 2, 2)))
@@ -123,8 +130,8 @@ def quantize_append(store: KVStore, x: torch.Tensor, positions: torch.Tensor) ->
     dummy = torch.zeros(1, dtype=torch.float16, device=x.device)
     scale = store.scale if store.scale is not None else dummy
     zero = store.zero if store.zero is not None else dummy
-    s_strides = scale.stride()[:3] if a["scale_mode"] == 2 else (0, 0, 0)
-    fp8_max = torch.finfo(store.codes.dtype).max if a["kind"] == 1 else 1.0
+    s_strides = scale.stride()[:3] if a["scale_mode"] == ScaleMode.TOKEN else (0, 0, 0)
+    fp8_max = torch.finfo(store.codes.dtype).max if a["kind"] == Kind.FP8 else 1.0
     _append_kernel[(B, H, n)](
         x, store.codes, scale, zero, positions,
         *x.stride()[:3], *store.codes.stride()[:3], *s_strides,
@@ -142,10 +149,10 @@ def quantize_append_reference(store: KVStore, x: torch.Tensor, positions: torch.
     q = store.q
     for b in range(B):
         p = int(positions[b])
-        frozen = a["scale_mode"] == 1
+        frozen = a["scale_mode"] == ScaleMode.TENSOR
         qt = quantize(x[b:b + 1], q, scale=store.scale if frozen else None, zero=store.zero if frozen else None)
         store.codes[b, :, p:p + n] = qt.data[0]
-        if a["scale_mode"] == 2:
+        if a["scale_mode"] == ScaleMode.TOKEN:
             store.scale[b, :, p:p + n] = qt.scale.reshape(H, n, -1)
             if store.zero is not None:
                 store.zero[b, :, p:p + n] = qt.zero.reshape(H, n, -1)

@@ -127,7 +127,7 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
 
 
 def _foldable(store) -> bool:
-    from kvlab.storage import kernel_readable
+    from kvlab.layout import kernel_readable
 
     return kernel_readable(store.q)
 
@@ -142,24 +142,24 @@ class _Tile:
     """
 
     def __init__(self, store, t0: int, t1: int):
-        q, c = store.q, store.codes[:, :, t0:t1]
+        from kvlab.layout import Kind, ScaleMode
+
+        q, c, lay = store.q, store.codes[:, :, t0:t1], store.layout
         B, H, n = c.shape[:3]
         D = store.head_dim
         self.off, self.scale, self.zero, factor = 0.0, None, None, 1.0
-        if (q.kind == "int" and q.bits == 4) or q.kind == "fp8":
-            self.planes = 2
-            if q.kind == "int":  # both nibble planes side by side, then one conversion
-                self.codes = torch.stack((c & 0xF, c >> 4), -2).view(B, H, n, D).float()
-            else:
-                self.codes = _fp8_planes(c).float()
-                factor = 256.0 if c.dtype == torch.float8_e4m3fn else 1.0
+        if lay.kind is Kind.INT4:  # both nibble planes side by side, then one conversion
+            self.codes, self.planes = torch.stack((c & 0xF, c >> 4), -2).view(B, H, n, D).float(), 2
+        elif lay.kind is Kind.FP8:
+            self.codes, self.planes = _fp8_planes(c).float(), 2
+            factor = 256.0 if c.dtype == torch.float8_e4m3fn else 1.0
         else:
             self.codes, self.planes = c.float(), 1
-        if q.kind == "int" and q.symmetric:
+        if lay.kind in (Kind.INT8, Kind.INT4) and lay.kernel_symmetric:
             self.off = float(2 ** (q.bits - 1))
         self.groups = 1
         if store.scale is not None:
-            if q.granularity == "tensor":
+            if lay.scale_mode is ScaleMode.TENSOR:
                 cut = lambda t: t.float().reshape(1, 1, 1, 1)
             else:
                 self.groups = store.scale.shape[-1]

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .formats import KVFormat, get_format
+from .layout import Layout, token_group
 from .paths import DATA_DIR as DATA
 from .paths import PRESETS_DIR as PRESETS
 
@@ -342,10 +343,7 @@ def _full_precision_tokens(fmt: KVFormat, held: int) -> int:
     """Tokens a cache keeps unquantized: sinks, the residual window, and (for formats whose
     groups run along tokens) the tokens still waiting to fill a group."""
     n = min(held, fmt.sinks + fmt.residual)
-    k = fmt.key
-    if k.granularity == "group" and k.group_axis == "token":
-        n += (held - n) % k.group_size
-    return n
+    return n + (held - n) % max(token_group(fmt.key), token_group(fmt.value))
 
 
 def _static_scale_bits(layer: LayerSpec, fmt: KVFormat, batch: int, tp: int) -> int:
@@ -353,9 +351,7 @@ def _static_scale_bits(layer: LayerSpec, fmt: KVFormat, batch: int, tp: int) -> 
     if layer.latent_dim:
         return 0
     heads = _split_heads(layer.kv_heads, tp)
-    count = {"tensor": 1, "head": heads, "channel": batch * heads * layer.head_dim}
-    return sum(count.get(q.granularity, 0) * (q.scale_bits + q.zero_bits)
-               for q in (fmt.key, fmt.value) if not q.is_passthrough)
+    return 8 * sum(Layout(q, layer.head_dim).frozen_bytes(batch, heads) for q in (fmt.key, fmt.value))
 
 
 @dataclass(frozen=True)
@@ -542,8 +538,7 @@ def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dt
     # A format that quantizes whole groups of tokens (KIVI's keys) holds a group in full precision until it
     # fills, so its bytes fall a little when a group closes: they grow only across whole groups. A sequence
     # must fit at every length it passes through, so test every length of the group that ends at t.
-    period = max((q.group_size for q in (fmt.key, fmt.value)
-                  if q.granularity == "group" and q.group_axis == "token"), default=1)
+    period = max(token_group(fmt.key), token_group(fmt.value))
 
     def fits_one(t):
         return budget(model, batch, t, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu <= f.free_for_cache_per_gpu

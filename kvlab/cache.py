@@ -53,7 +53,32 @@ from .quant import hadamard
 from .storage import KVStore, check_kernel_readable, kernel_head_dim_ok
 
 ATTENTION = "kvlab"
-_TAG = "_kvlab_layer"  # attribute on the key tensor update() returns: which layer holds the cache
+
+
+class CacheKeys(torch.Tensor):
+    """The keys :meth:`KVQuantLayer.update` returns, and the hand-off from the cache to attention.
+
+    It is the key tensor itself (any code that reads keys reads it as it would a plain tensor, and every
+    operation on it returns a plain tensor), plus two fields that :func:`kvlab_attention` reads:
+
+    * ``layer`` — the :class:`KVQuantLayer` holding this layer's cache (None once that layer is gone);
+    * ``complete`` — True when the tensor holds every key the query may attend to (attention can read it
+      as usual). False for a decode step whose quantized body was *not* expanded: the tensor is just the
+      new token's keys, and only ``layer.attend(query)`` gives the right answer.
+    """
+
+    # operations on CacheKeys return plain tensors, as they do on nn.Parameter
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def wrap(keys: torch.Tensor, layer: KVQuantLayer, complete: bool) -> CacheKeys:
+        out = keys.as_subclass(CacheKeys)
+        out._layer, out.complete = weakref.ref(layer), complete  # weak: the cache owns its layers
+        return out
+
+    @property
+    def layer(self) -> KVQuantLayer | None:
+        return self._layer()
 
 
 class KVQuantLayer(DynamicLayer):
@@ -73,8 +98,9 @@ class KVQuantLayer(DynamicLayer):
         self.cumulative_length = 0
         self.k_store, self.v_store = KVStore(self.fmt.key), KVStore(self.fmt.value)
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
-        self.attends = False  # set once the model's attention has called attend() through the tag
-        self._pending = False  # a decode step's keys were returned for attend() and not yet attended
+        # The attention side of the hand-off (see CacheKeys): set by attended_by(), cleared by stop_attending()
+        self.attends = False  # the model's attention reads this layer through kvlab_attention
+        self._pending = False  # a decode step's incomplete keys were handed out and not yet attended
         self._config = None  # weakref to the config of the model that attends through this layer
 
     def lazy_initialization(self, key_states, value_states):
@@ -111,16 +137,26 @@ class KVQuantLayer(DynamicLayer):
         if first and not self.quantize_prefill:
             out = key_states, value_states
         elif key_states.shape[-2] == 1 and not self.window and self._attends_now():
-            setattr(key_states, _TAG, (weakref.ref(self), False))  # attend() reads the stores instead
-            self._pending = True
-            return key_states, value_states
+            self._pending = True  # attend() reads the stores instead of an expanded copy
+            return CacheKeys.wrap(key_states, self, complete=False), value_states
         else:
             out = self.dequantized()
         if self.window:  # the next token's window: `window` tokens, its own included, so window - 1 would do;
             # kvlab keeps `window` (as the budget and engines count it) and the mask hides the oldest one
             self._forget(self.held - self.window)
-        setattr(out[0], _TAG, (weakref.ref(self), True))  # what the model gets is complete
-        return out
+        return CacheKeys.wrap(out[0], self, complete=True), out[1]
+
+    def attended_by(self, config) -> None:
+        """Attention's side of the hand-off: ``kvlab_attention`` received this layer's keys.
+
+        From then on, while ``config`` still names the kvlab implementation, decode steps hand out
+        incomplete keys and expect :meth:`attend` (a model without a config keeps getting complete keys)."""
+        self.attends, self._pending = True, False
+        self._config = weakref.ref(config) if config is not None else None
+
+    def stop_attending(self) -> None:
+        """The model went back to another attention implementation: hand out complete keys again."""
+        self.attends = False
 
     def _check_same_stream(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A layer holds one batch of one model: later tokens must match the first in every way but length."""
@@ -407,21 +443,18 @@ class KVQuantCache(Cache):
 def kvlab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ``"kvlab"`` attention implementation: SDPA, except for decode steps over a :class:`KVQuantCache`.
 
-    ``KVQuantLayer.update`` tags the key tensor it returns with its layer. A tagged
-    single-token query is answered by that layer's :meth:`KVQuantLayer.attend`, so each
+    ``KVQuantLayer.update`` returns its keys as :class:`CacheKeys`, which name the layer. An
+    incomplete single-token step is answered by that layer's :meth:`KVQuantLayer.attend`, so each
     cache serves its own layers (two caches in one process never meet). Everything else
-    — untagged keys (``DynamicCache``), prefill, sliding windows, soft-capping — is SDPA.
+    — plain keys (``DynamicCache``), prefill, sliding windows, soft-capping — is SDPA.
     """
-    tag = getattr(key, _TAG, None)
-    layer = tag[0]() if tag else None
+    layer = key.layer if isinstance(key, CacheKeys) else None
     if layer is not None:
-        layer.attends, layer._pending = True, False
-        config = getattr(module, "config", None)  # without one, the layer keeps handing out complete keys
-        layer._config = weakref.ref(config) if config is not None else None
-    plain = (layer is None or tag[1] or query.shape[-2] != 1 or kwargs.get("sliding_window")
+        layer.attended_by(getattr(module, "config", None))
+    plain = (layer is None or key.complete or query.shape[-2] != 1 or kwargs.get("sliding_window")
              or kwargs.get("softcap") or (dropout and module.training))
     if plain:
-        if layer is not None and not tag[1]:  # an option attend() does not take: expand the cache for this call
+        if layer is not None and not key.complete:  # an option attend() does not take: expand the cache
             key, value = layer.dequantized()
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
@@ -482,5 +515,5 @@ class fused_attention:
         self.model.set_attn_implementation(self._old_attn)
         if self._old_attn != ATTENTION:  # back to plain SDPA: the cache must hand out complete keys again
             for layer in self.cache.layers:
-                layer.attends = False
+                layer.stop_attending()
         return False

@@ -90,21 +90,14 @@ class Quantizer:
         return 0 if (self.symmetric or self.kind != "int") else self.scale_bits
 
     def bits_per_element(self, head_dim: int) -> float:
-        """Average bits per stored value, scales and zero points included.
+        """Average bits per stored value, scales and zero points included (:class:`kvlab.layout.Layout`).
 
         Scales shared over a whole tensor, head or channel (growing with no
         token) are amortised to zero; per-token and grouped scales are not.
         """
-        if self.is_passthrough:
-            return float(self.bits)
-        meta = self.scale_bits + self.zero_bits
-        if self.granularity == "token":
-            return self.bits + meta / head_dim
-        if self.granularity == "group":
-            if self.group_axis == "channel" and head_dim % self.group_size:
-                raise ValueError(f"group_size={self.group_size} does not divide head_dim={head_dim}")
-            return self.bits + meta / self.group_size
-        return float(self.bits)
+        from .layout import Layout
+
+        return Layout(self, head_dim).bits_per_element
 
 
 @dataclass(frozen=True)
@@ -162,7 +155,9 @@ class KVFormat:
 
     def bytes_per_token_head(self, head_dim: int) -> float:
         """Bytes of K plus V for one token of one KV head, scales included."""
-        return head_dim * (self.key.bits_per_element(head_dim) + self.value.bits_per_element(head_dim)) / 8
+        from .layout import Layout
+
+        return Layout(self.key, head_dim).token_bytes + Layout(self.value, head_dim).token_bytes
 
     def with_options(self, *, residual=None, sinks=None, rotate=None, name=None) -> KVFormat:
         """A copy with research options changed, e.g. ``fmt.with_options(sinks=4)``."""
@@ -215,7 +210,8 @@ for _fmt in (
                  "(ggml-common.h block_q8_0); selected with --cache-type-k/-v q8_0"),
     _same("q4_0", _q("int4", "group", 32, full_range=True),
           source="llama.cpp GGML_TYPE_Q4_0: blocks of 32 4-bit values (q - 8) with one fp16 scale, 18 bytes per "
-                 "block (ggml-common.h block_q4_0); selected with --cache-type-k/-v q4_0"),
+                 "block (ggml-common.h block_q4_0); selected with --cache-type-k/-v q4_0. kvlab keeps the same 18 bytes a "
+                 "block, but codes and scales in separate buffers (kvlab.layout), not interleaved as ggml does"),
     _same("hf-int4", _q("int4", "group", 64, symmetric=False), residual=128,
           source="transformers QuantizedCache (quanto backend): nbits=4, q_group_size=64, residual_length=128 "
                  "(transformers docs, 'KV cache strategies'); kvlab keeps the newest 128 tokens in full precision at "

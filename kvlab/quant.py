@@ -39,11 +39,12 @@ from dataclasses import dataclass
 
 import torch
 
+from . import layout
 from .formats import KVFormat, Quantizer, get_format
 
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-SCALE_DTYPES = {8: torch.float8_e4m3fn, 16: torch.float16, 32: torch.float32}
+SCALE_DTYPES = {bits: getattr(torch, name) for bits, name in layout.SCALE_DTYPES.items()}  # kvlab.layout's
 # FP4 E2M1's magnitudes, by the 3 low bits of a code (the 4th is the sign)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -317,8 +318,8 @@ def fake_quantize(x: torch.Tensor, q: Quantizer, *, sinks: int = 0, residual: in
     T = x.shape[-2]
     start = min(sinks, T)
     stop = max(start, T - residual)
-    if q.granularity == "group" and q.group_axis == "token":
-        stop = start + (stop - start) // q.group_size * q.group_size
+    g = layout.token_group(q)
+    stop = start + (stop - start) // g * g
     if stop <= start or q.is_passthrough:
         return x.to(FLOAT_DTYPES[q.element]).to(x.dtype) if q.is_passthrough else x.clone()
     mid = x[..., start:stop, :]

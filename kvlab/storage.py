@@ -1,7 +1,8 @@
 """One of K or V for one layer, stored exactly as the attention kernel reads it.
 
 A :class:`KVStore` is built from a format's :class:`~kvlab.formats.Quantizer` and
-holds three preallocated buffers, in the layout of :mod:`kvlab.kernels`:
+holds three preallocated buffers, shaped as its :class:`~kvlab.layout.Layout` declares (the one
+description of a format's bytes, which the kernels read too):
 
 * ``codes`` ``[batch, kv_heads, capacity, head_dim * bits / 8]`` — uint8 for
   integers (INT4 packs element ``2i`` in the low nibble), an fp8 dtype for FP8,
@@ -17,9 +18,7 @@ never keeps a full-precision copy: :meth:`KVStore.dequantize` expands the tokens
 asked for, through :func:`kvlab.quant.dequantize` — the one dequantizer — and
 attention reads it a tile at a time (:mod:`kvlab.kernels.reference`).
 
-:func:`kernel_readable` is the one place that says which quantizers the Triton
-decode kernel reads; :func:`kernel_args` translates a quantizer into the kernel's
-compile-time constants.
+:func:`kernel_args` gives the kernels a store's compile-time constants (from its layout).
 """
 
 from __future__ import annotations
@@ -29,51 +28,20 @@ import math
 import torch
 
 from .formats import Quantizer
-from .quant import FLOAT_DTYPES, FP8_DTYPES, SCALE_DTYPES, QTensor, dequantize, quantize
+from .layout import (
+    Layout,
+    check_kernel_readable,
+    grows,
+    kernel_head_dim_ok,
+    kernel_readable,
+    kernel_unreadable,
+    token_group,
+)
+from .quant import QTensor, dequantize, quantize
 
-KERNEL_KINDS = {"float": 0, "fp8": 1, "int8": 2, "int4": 3}
-SCALE_MODES = {"none": 0, "tensor": 1, "token": 2}
+__all__ = ["KVStore", "kernel_args", "check_kernel_readable", "kernel_head_dim_ok", "kernel_readable",
+           "kernel_unreadable"]
 
-
-def kernel_unreadable(q: Quantizer) -> str | None:
-    """Why the decode kernel cannot read ``q``'s storage, or None when it can."""
-    if q.is_passthrough:
-        return None
-    if q.granularity in ("head", "channel") or (q.granularity == "group" and q.group_axis == "token"):
-        axis = f"groups along {q.group_axis}" if q.granularity == "group" else f"per-{q.granularity} scales"
-        return f"{axis}: the kernel reads per-tensor, per-token or channel-grouped scales"
-    if q.kind == "int" and q.bits not in (4, 8):
-        return f"INT{q.bits}: the kernel reads INT8 and INT4"
-    if q.kind == "fp4":
-        return "FP4 (NVFP4): the kernel reads FP8, INT8 and INT4 codes, not E2M1"
-    return None
-
-
-def kernel_head_dim_ok(head_dim: int) -> bool:
-    """The kernels' shape rule: head_dim a power of two, at least 16 (``tl.arange`` and ``tl.dot`` need it)."""
-    return head_dim >= 16 and not head_dim & (head_dim - 1)
-
-
-def kernel_readable(q: Quantizer) -> bool:
-    """True when :mod:`kvlab.kernels` can attend over (and append to) this quantizer's storage."""
-    return kernel_unreadable(q) is None
-
-
-def check_kernel_readable(q: Quantizer, name: str = "format") -> None:
-    """Raise ``ValueError`` naming ``name`` when the kernel cannot read ``q``."""
-    why = kernel_unreadable(q)
-    if why:
-        raise ValueError(f"the kernel does not read this {name}: {why}")
-
-
-def _grows(q: Quantizer) -> bool:
-    """True when scales are computed per token (or group) as tokens arrive; False when frozen."""
-    return not q.is_passthrough and q.granularity in ("token", "group")
-
-
-def _token_group(q: Quantizer) -> int:
-    """Tokens that share one scale row (KIVI-style token groups), else 1."""
-    return q.group_size if (q.granularity == "group" and q.group_axis == "token") else 1
 
 
 class KVStore:
@@ -99,7 +67,14 @@ class KVStore:
     @property
     def chunk(self) -> int:
         """Appends must come in multiples of this many tokens (a token group's length, else 1)."""
-        return _token_group(self.q)
+        return token_group(self.q)
+
+    @property
+    def layout(self) -> Layout:
+        """This store's :class:`~kvlab.layout.Layout` (known once a head_dim has been stored)."""
+        if not self.head_dim:
+            raise ValueError("the store is empty: its layout is known after the first append")
+        return Layout(self.q, self.head_dim)
 
     @property
     def capacity(self) -> int:
@@ -109,40 +84,26 @@ class KVStore:
     def kernel_readable(self) -> bool:
         return kernel_readable(self.q)
 
-    def _code_width(self, head_dim: int) -> int:
-        return head_dim * self.q.bits // 8 if self.q.kind in ("int", "fp4") else head_dim
-
-    def _code_dtype(self):
-        q = self.q
-        if q.is_passthrough:
-            return FLOAT_DTYPES[q.element]
-        return FP8_DTYPES[q.element] if q.kind == "fp8" else torch.uint8
-
-    def _n_groups(self, head_dim: int) -> int:
-        q = self.q
-        if q.granularity == "group":
-            return head_dim // q.group_size if q.group_axis == "channel" else head_dim
-        return 1
-
     def _reserve(self, need: int, like: torch.Tensor, exact: bool = False) -> None:
         """Grow the buffers to hold ``need`` tokens (at least doubling), keeping what is stored."""
         if need <= self.capacity:
             return
         B, H, _, D = like.shape
-        g = self.chunk
+        lay = Layout(self.q, D)
+        g = lay.token_group
         cap = need if exact else max(need, 2 * self.capacity, 64)
         cap = -(-cap // g) * g
-        codes = torch.zeros(B, H, cap, self._code_width(D), dtype=self._code_dtype(), device=like.device)
+        codes = torch.zeros(B, H, cap, lay.code_width, dtype=getattr(torch, lay.code_dtype), device=like.device)
         if self.codes is not None:
             codes[:, :, : self.tokens] = self.codes[:, :, : self.tokens]
         self.codes = codes
-        if _grows(self.q):
+        if lay.grows:
             rows, used = cap // g, self.tokens // g
-            sdt = SCALE_DTYPES[self.q.scale_bits]
+            sdt = getattr(torch, lay.scale_dtype)
             for name in ("scale", "zero"):
-                if name == "zero" and (self.q.symmetric or self.q.kind != "int"):
+                if name == "zero" and not lay.has_zero:
                     continue
-                buf = torch.zeros(B, H, rows, self._n_groups(D), dtype=sdt, device=like.device)
+                buf = torch.zeros(B, H, rows, lay.n_groups, dtype=sdt, device=like.device)
                 old = getattr(self, name)
                 if old is not None:
                     buf[:, :, :used] = old[:, :, :used]
@@ -194,12 +155,12 @@ class KVStore:
 
     def _append_on_host(self, x: torch.Tensor, calibrate: bool) -> None:
         q, t0, n = self.q, self.tokens, x.shape[2]
-        frozen = not calibrate and not _grows(q) and not q.is_passthrough
+        frozen = not calibrate and not grows(q) and not q.is_passthrough
         qt = quantize(x, q, scale=self.scale if frozen else None, zero=self.zero if frozen else None)
         self.codes[:, :, t0:t0 + n] = qt.data
         if q.is_passthrough:
             return
-        if not _grows(q):
+        if not grows(q):
             if calibrate:  # calibrate once; later tokens saturate against these statistics
                 self.scale, self.zero = qt.scale, qt.zero
             return
@@ -221,7 +182,7 @@ class KVStore:
             return
         keep = self.tokens - n
         self.codes[:, :, :keep] = self.codes[:, :, n:self.tokens].clone()
-        if _grows(self.q):
+        if grows(self.q):
             g = self.chunk
             for t in (self.scale, self.zero):
                 if t is not None:
@@ -245,10 +206,10 @@ class KVStore:
         shape = (B, H, end - start, self.head_dim)
         codes = self.codes[:, :, start:end]
         scale, zero = self.scale, self.zero
-        if _grows(q):
+        if grows(q):
             rows = slice(start // g, end // g)
             # back to the shapes quantize() returns: [.., T, G, 1] for channel groups, [.., T/g, 1, D] for token groups
-            if q.granularity == "group" and q.group_axis == "token":
+            if g > 1:
                 cut = lambda t: None if t is None else t[:, :, rows, None, :]
             elif q.granularity == "group":
                 cut = lambda t: None if t is None else t[:, :, rows, :, None]
@@ -273,7 +234,7 @@ class KVStore:
         for t in (self.scale, self.zero):
             if t is None:
                 continue
-            if _grows(self.q):
+            if grows(self.q):
                 total += t[:, :, : n // g].numel() * t.element_size()
             else:
                 total += t.numel() * t.element_size()
@@ -298,7 +259,7 @@ class KVStore:
         like = torch.empty(B, H, 0, D, device=qt.data.device)
         s._reserve(max(T, s.chunk), like, exact=True)
         s.codes[:, :, :T] = qt.data
-        if _grows(qt.quantizer):
+        if grows(qt.quantizer):
             g = s.chunk
             s.scale[:, :, : T // g] = qt.scale.reshape(B, H, T // g, -1)
             if s.zero is not None:
@@ -323,12 +284,12 @@ class KVStore:
         s = cls(q)
         s.head_dim = head_dim
         s._reserve(capacity, torch.empty(batch, kv_heads, 0, head_dim, device=device), exact=True)
-        if not _grows(q) and not q.is_passthrough:
-            shape = (1, 1, 1, 1) if q.granularity == "tensor" else (1, kv_heads, 1, 1) if q.granularity == "head" \
-                else (batch, kv_heads, 1, head_dim)
-            sdt = SCALE_DTYPES[q.scale_bits]
+        lay = s.layout
+        shape = lay.frozen_shape(batch, kv_heads)
+        if shape is not None:
+            sdt = getattr(torch, lay.scale_dtype)
             s.scale = torch.ones(shape, dtype=sdt, device=device)
-            s.zero = None if (q.symmetric or q.kind != "int") else torch.zeros(shape, dtype=sdt, device=device)
+            s.zero = torch.zeros(shape, dtype=sdt, device=device) if lay.has_zero else None
             if scale is not None:
                 s.scale = _frozen("scale", scale, shape, sdt, device, positive=True)
                 if zero is not None and s.zero is not None:
@@ -356,26 +317,9 @@ class KVStore:
         return f"KVStore({self.q.element}, {self.q.granularity}, tokens={self.tokens}, capacity={self.capacity})"
 
 
-def kernel_spec(q: Quantizer, head_dim: int) -> dict:
-    """The kernels' compile-time description of ``q``'s storage at ``head_dim``: ``kind``, ``symmetric``,
-    ``scale_mode``, ``n_groups`` (scale groups per token), and the element types of the codes and scales
-    (``codes``: "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2" or "bytes"; ``scale``: "fp16" or "fp32"). The one
-    place these numbers are derived: the cache passes them to the kernels, and the ahead-of-time
-    compile matrix (kvlab.kernels.aot) compiles every one a preset produces."""
-    check_kernel_readable(q)
-    kind = "float" if q.is_passthrough else "fp8" if q.kind == "fp8" else f"int{q.bits}"
-    mode = "none" if q.is_passthrough else "tensor" if q.granularity == "tensor" else "token"
-    groups = head_dim // q.group_size if (mode == "token" and q.granularity == "group") else 1
-    codes = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3",
-             "float8_e5m2": "fp8_e5m2"}.get(q.element, "bytes")
-    return dict(kind=KERNEL_KINDS[kind], symmetric=q.symmetric or q.kind != "int", scale_mode=SCALE_MODES[mode],
-                n_groups=groups, codes=codes, scale=f"fp{q.scale_bits}")
-
-
-def kernel_args(store: KVStore) -> dict:
-    """The decode and append kernels' compile-time description of ``store``'s quantizer."""
-    spec = kernel_spec(store.q, store.head_dim)
-    return {k: spec[k] for k in ("kind", "symmetric", "scale_mode", "n_groups")}
+def kernel_args(store: KVStore, fp8_as_bytes: bool = False) -> dict:
+    """The decode and append kernels' compile-time constants for ``store`` (:meth:`Layout.kernel_constants`)."""
+    return store.layout.kernel_constants(fp8_as_bytes)
 
 
 def _frozen(name: str, value, shape: tuple, dtype: torch.dtype, device, *, positive: bool) -> torch.Tensor:

@@ -32,7 +32,7 @@ def test_every_variant_compiles_for_every_arch(tmp_path):
         assert row["shared_bytes"] <= 99 * 1024, f"{name} needs {row['shared_bytes']} B of shared memory"
     # the matrix covers what every preset produces at head_dim 64 and 128, derived here from the formats
     from kvlab.formats import format_names, get_format
-    from kvlab.storage import kernel_readable, kernel_spec
+    from kvlab.layout import Layout, kernel_readable
 
     compiled = {tuple(r["spec"]) for r in rows}
     for name in format_names():
@@ -40,9 +40,11 @@ def test_every_variant_compiles_for_every_arch(tmp_path):
         for hd in (64, 128):
             if not kernel_readable(q) or (q.granularity == "group" and hd % q.group_size):
                 continue
-            sp = kernel_spec(q, hd)
-            want = ("split", sp["codes"], sp["kind"], sp["symmetric"], sp["scale_mode"], sp["n_groups"],
-                    "*" + sp["scale"], hd, 4)
+            lay, c = Layout(q, hd), Layout(q, hd).kernel_constants()
+            codes = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3",
+                     "float8_e5m2": "fp8_e5m2", "uint8": "bytes"}[lay.code_dtype]
+            want = ("split", codes, c["kind"], c["symmetric"], c["scale_mode"], c["n_groups"],
+                    "*fp32" if lay.scale_dtype == "float32" else "*fp16", hd, 4)
             assert want in compiled, f"{name} at head_dim {hd} is never compiled: {want}"
     bytes_on_a100 = [r for r in rows if r["arch"] == 80 and "as bytes" in r["variant"]]
     assert bytes_on_a100 and all(r["ok"] for r in bytes_on_a100), "the sm_80 FP8 path must compile"

@@ -409,3 +409,20 @@ def test_a_named_mix_from_a_prefill_takes_the_prefills_layer_types(tiny_gemma3):
     dyn, _ = evals.prefill(tiny_gemma3, ids)
     cache = KVQuantCache.from_prefill("int4_token@global", dyn)
     assert [layer.fmt.name for layer in cache.layers] == ["fp32"] * 5 + ["int4_token"]
+
+
+def test_the_hand_off_to_attention_is_the_keys_themselves():
+    """update() returns CacheKeys: the keys as a tensor (operations give plain tensors), naming the layer
+    and whether they are complete; kvlab_attention reads those two fields and nothing else."""
+    from kvlab.cache import CacheKeys, KVQuantLayer
+
+    layer = KVQuantLayer("int8")
+    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    keys, values = layer.update(k, v)
+    assert isinstance(keys, CacheKeys) and keys.layer is layer and keys.complete
+    assert type(keys * 1) is torch.Tensor and type(values) is torch.Tensor
+    assert keys.shape == (1, 2, 5, 16)
+    torch.testing.assert_close(torch.Tensor(keys), layer.dequantized()[0])
+    assert not layer.attends  # nobody has attended through kvlab yet: decode steps stay complete
+    keys, _ = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    assert keys.complete and keys.shape[-2] == 6

@@ -188,26 +188,3 @@ def test_kernel_shape_rule():
     from kvlab.storage import kernel_head_dim_ok
 
     assert kernel_head_dim_ok(64) and kernel_head_dim_ok(128) and not kernel_head_dim_ok(96) and not kernel_head_dim_ok(8)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_spec_describes_the_buffers_a_store_really_holds(head_dim):
-    """kernel_spec derives the kernels' constants from the format; a store built by appending must agree."""
-    from kvlab.formats import format_names
-    from kvlab.storage import kernel_readable, kernel_spec
-
-    dtype_of = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "bytes": torch.uint8}
-    checked = 0
-    for name in format_names():
-        for q in (get_format(name).key, get_format(name).value):
-            if not kernel_readable(q) or (q.granularity == "group" and head_dim % q.group_size):
-                continue
-            s = KVStore.from_tensor(torch.randn(1, 2, 40, head_dim), q)
-            sp = kernel_spec(q, head_dim)
-            assert s.codes.dtype == dtype_of[sp["codes"]], name
-            if sp["scale_mode"]:
-                assert s.scale.shape[-1] == sp["n_groups"] and s.scale.dtype == dtype_of[sp["scale"]], name
-            assert (s.zero is None) == sp["symmetric"], name
-            checked += 1
-    assert checked >= 20
