@@ -210,9 +210,7 @@ def cmd_niah(args) -> int:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     if args.out:
-        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
-        res.save(tmp)
-        tmp.replace(args.out)
+        res.save(args.out)  # atomic
     if args.json:
         print(json.dumps({"task": res.task, "model": res.model, "kv_format": res.kv_format,
                           "accuracy": res.accuracy(), "rows": res.rows, "meta": res.meta}, indent=1, allow_nan=False))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from . import budget as B
 from .formats import engine_options, get_format
-from .roofline import MBU, MFU
+from .roofline import MBU, MFU, step_seconds
 
 DEFAULT_FORMATS = ("bf16", "fp8_e4m3", "int8", "int4", "kivi-4", "q4_0", "int4_tensor")
 
@@ -60,9 +60,8 @@ def step_time(model, batch: int, context: int, kv_format="bf16", gpu="H100-80GB"
     layer = next((x for x in shape.layers if x.kv_heads), shape.layers[0])
     attn = 4 * batch * context * (layer.head_dim or layer.latent_dim) * max(shape.q_heads, 1) * shape.num_layers
     flops = (2 * shape.num_parameters * batch + attn) / tp
-    t_mem = (w + cache) / (g.bandwidth_bytes_per_s * mbu)
-    t_cmp = flops / (g.peak_bf16_flops * mfu) if g.peak_bf16_flops else 0.0
-    return StepTime(w, cache, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute")
+    t, bound = step_seconds(w + cache, flops, g.bandwidth_bytes_per_s, g.peak_bf16_flops, mbu=mbu, mfu=mfu)
+    return StepTime(w, cache, flops, t, bound)
 
 
 TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes within one 8-GPU node

@@ -643,17 +643,13 @@ def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, ma
     fresh prompt attend in full precision, so this rung moves with the KV format only where the
     prompt itself reads the quantized cache (``kvlab serve --prefill cached``, chunked prefill).
     """
-    from .tasks import corpus_text
+    from .tasks import heldout_windows
 
-    if text is None:
-        text = corpus_text("heldout")
-    ids = tok.encode(text, add_special_tokens=False)
-    if len(ids) < window + 1:
-        raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")
+    windows = heldout_windows(tok, text, window, max_windows)
     ep.resolve_model()
     nll, count = 0.0, 0
-    for s in range(0, len(ids) - window, window)[:max_windows]:
-        out = ep.complete(tok.decode(ids[s : s + window]), max_tokens=1, logprobs=1, echo=True)
+    for w in windows:
+        out = ep.complete(tok.decode(w), max_tokens=1, logprobs=1, echo=True)
         lps = [x for x in out["token_logprobs"][: out["prompt_tokens"] or window] if x is not None]
         if not lps:
             raise EndpointError(f"{ep.url} returned no prompt logprobs with echo=true; this rung needs them")

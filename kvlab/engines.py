@@ -40,6 +40,7 @@ from . import tasks
 from .cache import KVQuantCache
 from .evals import decode, prefill
 from .formats import get_format
+from .metrics import first_divergence, logit_agreement
 
 # kvlab's emulation of QuantizedCache(backend="quanto", nbits=n): asymmetric, 64-channel groups, residual 128.
 QUANTO_FORMATS = {
@@ -119,16 +120,16 @@ def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials
             fmt, row = QUANTO_FORMATS[n], out[engine_row_name(backend, n)]
             eng = decode(model, _from_prefill(quanto_cache(model, n, backend), dyn), first, steps)[0]
             ours = decode(model, KVQuantCache.from_prefill(fmt, dyn), first, steps)[0]
-            diff = (eng != ours).nonzero()
-            row["first_divergence"].append(int(diff[0]) if len(diff) else steps)
-            row["identical"] += int(not len(diff))
+            first_diff = first_divergence(eng, ours)
+            row["first_divergence"].append(first_diff)
+            row["identical"] += int(first_diff == steps)
             row["prompts"] += 1
             forced = eng[None, :-1].to(dev)
             le = model(forced, past_key_values=_from_prefill(quanto_cache(model, n, backend), dyn)).logits[0].float()
             lo = model(forced, past_key_values=KVQuantCache.from_prefill(fmt, dyn)).logits[0].float()
-            pe, po = torch.log_softmax(le, -1), torch.log_softmax(lo, -1)
-            row["kl"].append((pe.exp() * (pe - po)).sum(-1).clamp_min(0).mean().item())
-            row["top1_agreement"].append((le.argmax(-1) == lo.argmax(-1)).float().mean().item())
+            kl, top1 = logit_agreement(le, lo)
+            row["kl"].append(kl)
+            row["top1_agreement"].append(top1)
             for side, toks in (("engine", eng), ("kvlab", ours)):
                 c = row[side].setdefault(length, [0, 0])
                 c[0] += int(torch.equal(toks[: len(answer)], answer))

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from . import tasks
 from .cache import KVQuantCache
 from .formats import KVFormat, get_format
+from .metrics import first_divergence, logit_agreement
 from .results import EvalResult
 from .tasks import sweep_prompts
 
@@ -272,13 +273,7 @@ def perplexity_windows(tok, text: str | None = None, window: int = 512, max_wind
     tokenizer's own start tokens (Gemma's ``<bos>``: the model was trained with it; none for SmolLM2)."""
     from .tasks import bos
 
-    if text is None:
-        text = tasks.corpus_text("heldout")
-    ids = tok.encode(text, add_special_tokens=False)
-    if len(ids) < window + 1:
-        raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")
-    start = bos(tok)
-    return [torch.tensor([start + ids[s : s + window]]) for s in range(0, len(ids) - window, window)[:max_windows]]
+    return [torch.tensor([bos(tok) + w]) for w in tasks.heldout_windows(tok, text, window, max_windows)]
 
 
 @torch.no_grad()
@@ -320,15 +315,13 @@ def teacher_comparisons(model, tok, fmts, prompts: list, max_new_tokens: int = 3
         teacher = decode(model, KVQuantCache.from_prefill(teacher_fmt, dyn), first, max_new_tokens)
         forced = teacher[:, :-1].to(dev)  # the student reads these back through its cache
         lt = model(forced, past_key_values=KVQuantCache.from_prefill(teacher_fmt, dyn), use_cache=True).logits[0]
-        pt = torch.log_softmax(lt.float(), -1)
         for f in fmts:
             ls = model(forced, past_key_values=KVQuantCache.from_prefill(f, dyn), use_cache=True).logits[0]
-            log_ps = torch.log_softmax(ls.float(), -1)
-            acc[f.name]["kl"].append((pt.exp() * (pt - log_ps)).sum(-1).clamp_min(0).mean().item())
-            acc[f.name]["agree"].append((lt.argmax(-1) == ls.argmax(-1)).float().mean().item())
+            kl, top1 = logit_agreement(lt, ls)
+            acc[f.name]["kl"].append(kl)
+            acc[f.name]["agree"].append(top1)
             student = decode(model, KVQuantCache.from_prefill(f, dyn), first, max_new_tokens)[0]
-            diff = (student != teacher[0]).nonzero()
-            acc[f.name]["first"].append(int(diff[0]) if len(diff) else max_new_tokens)
+            acc[f.name]["first"].append(first_divergence(student, teacher[0]))
     mean = lambda xs: sum(xs) / len(xs)
     return {name: {"kv_format": name, "kl": mean(a["kl"]), "top1_agreement": mean(a["agree"]),
                    "first_divergence": a["first"], "mean_first_divergence": mean(a["first"]),

@@ -144,3 +144,27 @@ def fp8_unit_scale(layers: list[torch.Tensor]) -> dict[str, float]:
             "amax": max(t.abs().max().item() for t in layers),
             "subnormal_fraction": sum((t.abs() < E4M3_MIN_NORMAL).sum().item() for t in layers)
             / sum(t.numel() for t in layers)}
+
+
+# --------------------------------------------------------------------------- a student model against its teacher
+
+
+def logit_agreement(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> tuple[float, float]:
+    """``(kl, top1)`` over the positions of ``[tokens, vocab]`` logits read on the same tokens: the mean
+    per-token KL(teacher || student) in nats, and the share of positions whose argmax agrees."""
+    if teacher_logits.shape != student_logits.shape or teacher_logits.dim() != 2:
+        raise ValueError(f"teacher and student logits must both be [tokens, vocab], got "
+                         f"{tuple(teacher_logits.shape)} and {tuple(student_logits.shape)}")
+    pt = torch.log_softmax(teacher_logits.float(), -1)
+    ps = torch.log_softmax(student_logits.float(), -1)
+    kl = (pt.exp() * (pt - ps)).sum(-1).clamp_min(0).mean().item()
+    top1 = (teacher_logits.argmax(-1) == student_logits.argmax(-1)).float().mean().item()
+    return kl, top1
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The first position where two equally long token sequences differ (their length when they never do)."""
+    if a.shape != b.shape or a.dim() != 1:
+        raise ValueError(f"a and b must be token sequences of one length, got {tuple(a.shape)} and {tuple(b.shape)}")
+    diff = (a != b).nonzero()
+    return int(diff[0]) if len(diff) else len(a)

@@ -409,7 +409,10 @@ class EvalResult:
         return [[self.accuracy(n, d) for n in self.lengths] for d in self.depths]
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+        """Write this result as JSON, atomically (:func:`kvlab.paths.write_json`)."""
+        from .paths import write_json
+
+        write_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: str | Path) -> EvalResult:

@@ -30,6 +30,24 @@ MBU = 0.7
 MFU = 0.5
 
 
+def memory_seconds(nbytes: float, bandwidth: float, mbu: float = MBU) -> float:
+    """Time to read ``nbytes`` at ``mbu`` x peak ``bandwidth`` (bytes/s). The one memory-time formula."""
+    return nbytes / (bandwidth * mbu)
+
+
+def compute_seconds(flops: float, peak_flops: float | None, mfu: float = MFU) -> float:
+    """Time to do ``flops`` at ``mfu`` x peak FLOP/s (0 where the GPU lists no peak). The one compute-time formula."""
+    return flops / (peak_flops * mfu) if peak_flops else 0.0
+
+
+def step_seconds(nbytes: float, flops: float, bandwidth: float, peak_flops: float | None, *,
+                 mbu: float = MBU, mfu: float = MFU) -> tuple[float, str]:
+    """A roofline step that overlaps its reads and its math: ``(seconds, "memory" or "compute")``, whichever
+    bound is slower."""
+    t_mem, t_cmp = memory_seconds(nbytes, bandwidth, mbu), compute_seconds(flops, peak_flops, mfu)
+    return max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute"
+
+
 @dataclass(frozen=True)
 class DecodeStep:
     model: str
@@ -55,7 +73,7 @@ def decode_step(model, batch: int, context: int, kv_format="bf16", gpu: str | No
     flops = batch * context * layer.head_dim * 4 * q_heads  # 2 for q.k, 2 for p.v, per query head
     g = B.get_gpu(gpu) if gpu else None
     ridge = g.peak_bf16_flops / g.bandwidth_bytes_per_s if g else None
-    secs = per_layer / g.bandwidth_bytes_per_s if g else None
+    secs = memory_seconds(per_layer, g.bandwidth_bytes_per_s, mbu=1.0) if g else None  # at peak: the roofline
     return DecodeStep(shape.name, get_format(kv_format).name, batch, context, per_layer, flops,
                       flops / per_layer, ridge, secs)
 

@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from . import budget as B
-from .roofline import MBU, MFU
+from .roofline import MBU, MFU, compute_seconds, memory_seconds
 
 
 @dataclass
@@ -84,7 +84,9 @@ def request_from_tokens(arrival, prompt: list[int], output: list[int], block_siz
 
 @dataclass(frozen=True)
 class CostModel:
-    """Step time = prefill FLOPs / (peak x MFU) + (weights + cache read) / (bandwidth x MBU).
+    """Step time = prefill FLOPs / (peak x MFU) + (weights + cache read) / (bandwidth x MBU), with
+    :mod:`kvlab.roofline`'s two formulas. The two terms add (a step runs its prefill chunk, then its
+    decode read) where :func:`kvlab.roofline.step_seconds` overlaps them: a conservative serving step.
 
     Defaults: 2 FLOPs per parameter per prefilled token at 50% of dense BF16 peak, and
     decode reading all weights plus every running sequence's cache at 70% of peak
@@ -100,9 +102,9 @@ class CostModel:
     mbu: float = MBU
 
     def step_seconds(self, prefill_tokens: int, decode_cache_bytes: float, decoding: bool) -> float:
-        t = 2 * self.params * prefill_tokens / (self.peak_flops * self.mfu)
+        t = compute_seconds(2 * self.params * prefill_tokens, self.peak_flops, self.mfu)
         if decoding:
-            t += (self.weights_bytes + decode_cache_bytes) / (self.bandwidth * self.mbu)
+            t += memory_seconds(self.weights_bytes + decode_cache_bytes, self.bandwidth, self.mbu)
         return t
 
 

@@ -110,6 +110,19 @@ def corpus_text(split: str = "heldout") -> str:
     return "\n".join(gzip.open(CORPUS_DIR / f"{p}.txt.gz", "rt").read() for p in parts)
 
 
+def heldout_windows(tok, text: str | None = None, window: int = 512, max_windows: int = 16) -> list[list[int]]:
+    """Consecutive ``window``-token windows of held-out text (the project's corpus by default), at most
+    ``max_windows``: the text both perplexity rungs read (:func:`kvlab.evals.perplexity` in process,
+    :func:`kvlab.endpoint.perplexity` through a server)."""
+    for name, v in (("window", window), ("max_windows", max_windows)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    ids = _encode(tok, corpus_text("heldout") if text is None else text)
+    if len(ids) < window + 1:
+        raise ValueError(f"text has {len(ids)} tokens, fewer than window + 1 = {window + 1}")
+    return [ids[s : s + window] for s in range(0, len(ids) - window, window)[:max_windows]]
+
+
 def prose_tokens(tok, text: str | None = None) -> list[int]:
     """English text as one token list, to cut haystacks from (the project's held-out corpus by default)."""
     if text is None:

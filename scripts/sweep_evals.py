@@ -33,7 +33,7 @@ from kvlab import evals
 from kvlab.env import cpu_model
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
 from kvlab.models import DEFAULT_MODEL, load_model
-from kvlab.paths import out_problem
+from kvlab.paths import out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,9 +92,7 @@ def main(argv=None):
     def save(step, t):
         out["steps"][step] = round(time.time() - t, 1)
         out["seconds"] = round(time.time() - t0, 1)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=1) + "\n")
-        tmp.replace(args.out)
+        write_json(args.out, out)  # atomic: an interrupted sweep keeps its last complete file
         print(f"[{out['seconds']:7.0f}s] {step} ({out['steps'][step]}s)", flush=True)
 
     # 1. passkey, filler haystack, every format; one length at a time so a partial file is useful

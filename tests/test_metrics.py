@@ -64,3 +64,29 @@ def test_engines_offering_matches_engine_options():
 
     got = engines_offering(["fp8_e4m3", "q4_0"])
     assert "vLLM" in got["fp8_e4m3"] and got["q4_0"] == [e for e, f in engine_options("q4_0").items() if f]
+
+
+def test_logit_agreement_against_hand_arithmetic():
+    from kvlab.metrics import logit_agreement
+
+    t = torch.tensor([[0.0, 0.0], [2.0, 0.0]])
+    assert logit_agreement(t, t) == (0.0, 1.0)
+    # position 0: teacher (1/2, 1/2), student (e/(1+e), 1/(1+e)); position 1: equal
+    s = torch.tensor([[1.0, 0.0], [2.0, 0.0]])
+    p = math.e / (1 + math.e)
+    kl0 = 0.5 * math.log(0.5 / p) + 0.5 * math.log(0.5 / (1 - p))
+    kl, top1 = logit_agreement(t, s)
+    assert kl == pytest.approx(kl0 / 2, rel=1e-6)
+    assert top1 == 1.0  # argmax of a tie is its first index, as the student's
+    with pytest.raises(ValueError, match="tokens, vocab"):
+        logit_agreement(t, s[:1])
+
+
+def test_first_divergence():
+    from kvlab.metrics import first_divergence
+
+    a = torch.tensor([5, 6, 7, 8])
+    assert first_divergence(a, a) == 4
+    assert first_divergence(a, torch.tensor([5, 6, 0, 8])) == 2
+    with pytest.raises(ValueError, match="one length"):
+        first_divergence(a, a[:3])

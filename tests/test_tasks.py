@@ -77,3 +77,16 @@ def test_passkey_in_a_prose_haystack(depth):
 
 def test_shipped_prose_is_long_enough_for_8k_prompts():
     assert len(tasks.prose_tokens(CharTok())) > 100_000
+
+
+def test_heldout_windows_cut_consecutive_windows():
+    from kvlab.tasks import heldout_windows
+
+    tok = lambda text: [ord(c) for c in text]  # a tokenizer that is a function: one token a character
+    w = heldout_windows(tok, "abcdefghij", window=3, max_windows=10)
+    assert w == [[97, 98, 99], [100, 101, 102], [103, 104, 105]]  # the last window needs one token after it
+    assert heldout_windows(tok, "abcdefghij", window=3, max_windows=2) == w[:2]
+    with pytest.raises(ValueError, match="fewer than window"):
+        heldout_windows(tok, "abc", window=3)
+    with pytest.raises(ValueError, match="window must be a positive integer"):
+        heldout_windows(tok, "abcdef", window=0)
