@@ -668,6 +668,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(G is None or S is None or (len(S["by"]["kivi-2+rotate"]["worse_at"]) < len(S["by"]["kivi-2"]["worse_at"]))),
         "one scale per token was worse from the shortest length on Gemma and never on SmolLM2":
             _claim(G is None or S is None or ("int4_token" in G["short"] and not S["by"]["int4_token"]["worse_at"])),
+        "on SmolLM2 one scale per tensor lost a growing share of full precision's needles (4.5 cites it)":
+            _claim(S is None or "int4_tensor" in S["grows_common"], S and S["lost_share"].get("int4_tensor")),
         "both models were swept to at least 8k": _claim(all(m["longest"] >= CH4_COMMON_LONGEST for m in both),
                                                         {m["name"]: m["longest"] for m in both}),
     }

@@ -518,6 +518,9 @@ def ladder(sweep: dict, short: int = 512, long_min: int = 2048, reference: str =
             "kl": r["teacher"]["kl"],
             "top1": r["teacher"]["top1_agreement"],
             "first_divergence": r["teacher"]["mean_first_divergence"],
+            # what the labels need: the lengths of the two needles, the teacher's prompts and tokens
+            "short": short, "long_min": long_min, "reference": reference,
+            "teacher_prompts": len(r["teacher"]["first_divergence"]), "teacher_tokens": r["teacher"]["max_new_tokens"],
         })
     return rows
 
@@ -527,9 +530,22 @@ _LADDER_COLUMNS = {"bits": "{:.2f}", "ppl_increase": "{:+.1%}", "needle_short": 
                    "first_divergence": "{:.1f}"}
 
 
+def _ladder_labels(r: dict) -> dict[str, str]:
+    """Column headings that say what each rung measured (lengths, units, how many prompts)."""
+    k = lambda n: f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+    return {"bits": "bits / value", "ppl_increase": f"perplexity vs {r['reference']}",
+            "needle_short": f"needle at {k(r['short'])} (95% CI)",
+            "needle_long": f"needle at ≥{k(r['long_min'])}, pooled (95% CI)",
+            "prose_long": "prose needle, longest", "chain": "2-hop chain",
+            "kl": "KL to teacher (nats / token)", "top1": "top-1 agreement",
+            "first_divergence": f"first divergent token (mean of {r['teacher_prompts']} prompts; "
+                                f"{r['teacher_tokens']} = none)"}
+
+
 def ladder_markdown(ladder_rows: list[dict]) -> str:
     """:func:`ladder` rows as a Markdown table (a dash where a rung was not measured)."""
     cols = [c for c in _LADDER_COLUMNS if any(r.get(c) is not None for r in ladder_rows)]
+    labels = _ladder_labels(ladder_rows[0])
 
     def cell(r, c):
         if r.get(c) is None:
@@ -539,7 +555,7 @@ def ladder_markdown(ladder_rows: list[dict]) -> str:
             text += f" ({r[c + '_lo']:.0%}–{r[c + '_hi']:.0%})"
         return text
 
-    head = "| format | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols) + "\n"
+    head = "| format | " + " | ".join(labels[c] for c in cols) + " |\n|---|" + "---|" * len(cols) + "\n"
     return head + "\n".join(f"| {r['kv_format']} | " + " | ".join(cell(r, c) for c in cols) + " |"
                              for r in ladder_rows)
 

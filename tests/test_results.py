@@ -180,7 +180,8 @@ def _fake_sweep(tmp_path):
                 {"length": 2048, "depth": 0.0, "trials": 4, "correct": long},
                 {"length": 4096, "depth": 0.0, "trials": 4, "correct": long}]
 
-    teacher = {"kl": 0.01, "top1_agreement": 0.99, "mean_first_divergence": 20.0}
+    teacher = {"kl": 0.01, "top1_agreement": 0.99, "mean_first_divergence": 20.0, "first_divergence": [18, 22],
+               "max_new_tokens": 32}
     doc = {"model": "m", "formats": {
         "fp32": {"bits_per_element": 32, "perplexity": 10.0, "passkey": cells(4, 4),
                  "chain2": [{"length": 512, "depth": 1.0, "trials": 4, "correct": 2}], "teacher": teacher},
@@ -226,7 +227,9 @@ def test_ladder_markdown_and_cell_agreement(tmp_path):
     sweep = R.load_sweep(_fake_sweep(tmp_path))
     md = R.ladder_markdown(R.ladder(sweep))
     lines = md.splitlines()
-    assert lines[0].startswith("| format | bits | ppl_increase | needle_short | needle_long | chain") and len(lines) == 4
+    assert lines[0].startswith("| format | bits / value | perplexity vs fp32 | needle at 512 (95% CI) | "
+                               "needle at ≥2k, pooled (95% CI) | 2-hop chain | KL to teacher (nats / token) |"), lines[0]
+    assert lines[0].endswith("| first divergent token (mean of 2 prompts; 32 = none) |") and len(lines) == 4
     assert "| int4 | 4.50 | +5.0% | 100% (51%–100%) | 25% (7%–59%) | — | 0.2000 |" in md, md
     # int4 differs from fp32 by 0.75 in both long cells: 4 of 6 cells agree within 0.25, all within 0.75
     assert R.cell_agreement(sweep, tol=0.25) == 4 / 6 and R.cell_agreement(sweep, tol=0.75) == 1.0
