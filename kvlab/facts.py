@@ -273,6 +273,10 @@ def _model_facts(sweep) -> dict:
         "hours": seconds / 3600, "machine": sweep.header.get("machine", "?"), "date": sweep.header.get("date", "?"),
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
         "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"),
+        # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
+        "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n)}
+                           for n in sweep.lengths("cached") for f in sweep.formats
+                           if f != "fp32" and sweep.counts("cached", f, n)[1]},
         "ppl_paired": {n: sweep.paired_perplexity(n) for n in ppl},
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
@@ -624,6 +628,14 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "on Gemma the residual window's, the rotated per-tensor format's and the global-only mix's losses grow to 8k":
             _claim({"int4_token+residual128", "int4_tensor+rotate", "int4_token@global"} <= set(G["grows_common"]),
                    G["grows_common"]),
+        "on Gemma at 8k, quantizing the prompt too costs q4_0 and per-token INT4 needles, never FP8 or INT8":
+            _claim(G["cached"]["measured"] and all(
+                (G["cached_vs_full"][f"{f} 8192"]["cached"][0] < G["cached_vs_full"][f"{f} 8192"]["full"][0])
+                == (f in ("q4_0", "int4_token")) for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")),
+                G["cached_vs_full"]),
+        "on Gemma at 8k with the prompt quantized, q4_0 is still not worse than full precision; per-token INT4 is":
+            _claim(G["cached"]["measured"] and G["cached"]["status"].get("q4_0") == "never worse"
+                   and G["cached"]["status"].get("int4_token", "").startswith("worse")),
         "on Gemma rotation lifts per-tensor INT4 at the shortest length":
             _claim(G["cell"]["int4_tensor+rotate", G["lengths"][0]]["correct"]
                    > G["cell"]["int4_tensor", G["lengths"][0]]["correct"] + 10),
