@@ -668,11 +668,17 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     }
     S = values.get("S")
     both = [m for m in (G, S) if m is not None]
+    values["never_both"] = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]
+    values["never_both_md"] = names_md(values["never_both"])
     both_claims = {
         "FP8, INT8 and q8_0 were never worse on either model":
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
         "one scale per tensor was worse on both models": _claim(all(m["by"]["int4_tensor"]["worse_at"] for m in both)),
         "no format is trapped on either model": _claim(all(not m["trap"] for m in both), {m["name"]: m["trap"] for m in both}),
+        "on both models perplexity flagged every format that passed the short needle and lost a longer one":
+            _claim(all(set(m["later"]) <= set(m["ppl_flags"]) for m in both), {m["name"]: m["later"] for m in both}),
+        "FP8, INT8, q8_0 and KIVI-4 are among the formats never worse on both models":
+            _claim({"fp8_e4m3", "int8", "q8_0", "kivi-4"} <= set(values["never_both"]), values["never_both"]),
         "KIVI-4 was never worse on either model; KIVI-2 was worse on both, at every length on SmolLM2":
             _claim(G is None or S is None or (G["by"]["kivi-2"]["worse_at"] and S["by"]["kivi-2"]["worse_at"] == S["lengths"]
                                               and "kivi-4" in G["never"] and "kivi-4" in S["never"])),
