@@ -281,7 +281,8 @@ def _model_facts(sweep) -> dict:
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
         "bits": {n: d.get("bits_per_element") for n, d in sweep.header["formats"].items()},
-        "never_low_md": names_md([n for n in f["never"] if _low_bit(n)]),
+        "never_low_md": ", ".join(f"`{n}` ({sweep.header['formats'][n]['bits_per_element']:.3g} bits)"
+                                  for n in f["never"] if _low_bit(n)) or "none",
         "never_8bit_md": names_md([n for n in f["never"] if not _low_bit(n)]),
     }
 
@@ -349,7 +350,13 @@ def _formats_md(fmts: list[str]) -> str:
         fmt = get_format(f)
         per = " / ".join(values_per_scale(f, hd) for hd in (64, 256))
         bits = "—" if fmt.layers else " / ".join(f"{fmt.bits_per_element(hd):.3g}" for hd in (64, 256))
-        rows.append(f"| `{f}` | {per} | {bits} | {fmt.source} |")
+        base = get_format(f.split("+")[0].split("@")[0])  # what the +options change
+        extra = [what for on, what in ((fmt.sinks != base.sinks, f"plus the first {fmt.sinks} tokens in full precision"),
+                                       (fmt.residual != base.residual,
+                                        f"plus the newest {fmt.residual} tokens in full precision"),
+                                       (fmt.rotate != base.rotate, "after a Hadamard rotation of head_dim")) if on]
+        what = fmt.source + ("; " + ", ".join(extra) if extra and "@" not in f else "")
+        rows.append(f"| `{f}` | {per} | {bits} | {what} |")
     return ("| format | values sharing a scale (head_dim 64 / 256) | bits an element (64 / 256) | what it is |\n"
             "|---|---|---|---|\n" + "\n".join(rows))
 
@@ -446,7 +453,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
           for n in order if n in sweep["prefill_cached"]}
     acc = {n: (a[0] / a[1], b[0] / b[1]) for n, (a, b) in pf.items()}
     held = ["fp8_e4m3", "int8", "q4_0", "int4", "int4_token"]
-    v |= {"pf": pf, "pf_length": n_pf, "acc": acc, "pf_held_md": ", ".join(f"{acc[n][1]:.0%}" for n in held)}
+    v |= {"pf": pf, "pf_length": n_pf, "acc": acc, "pf_held_md": ", ".join(f"`{n}` {acc[n][1]:.0%}" for n in held)}
     c |= {
         "25 prompts with the prompt in full precision, 10 with it quantized":
             _claim(all(a[1] == 25 and b[1] == 10 for a, b in pf.values())),
@@ -518,7 +525,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
     v |= {"eng": eng, "i4": i4, "i2": i2, "rate2": rate2, "hq": hq, "h4": h4, "h2": h2,
           "h2_engine": passkeys(h2, "engine"), "h2_kvlab": passkeys(h2, "kvlab"),
           "llama": llama, "side": side, "max_drop_llama": 100 * max(abs(d) for d in drop["llama.cpp"].values()),
-          "max_drop_kvlab": max(abs(d) for d in drop["kvlab"].values()), "max_gap": max(abs(g) for g in gap.values()),
+          "max_drop_kvlab": 100 * max(abs(d) for d in drop["kvlab"].values()), "max_gap": max(abs(g) for g in gap.values()),
           "q4_slow": side["q4_0"]["seconds"] / side["f16"]["seconds"],
           "srv": srv, "srv_results": res, "srv_acc_t": sacc[t_url], "srv_acc_s": sacc[s_url], "srv_prompts": n_srv,
           "srv_disagree": len(srv["disagreements"]), "srv_ag": srv["agreement"],
@@ -572,7 +579,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     alarms = [(n, f) for n, f in held_low if not values[CH4_KEYS[next(m for m in sweeps if CH4_NAMES.get(m) == n)]]["by"][f]["ppl_ok"]]
     values |= {"n_held_low": len(held_low), "n_alarms": len(alarms),
                "alarms_md": "; ".join(f"`{f}` on {n}" for n, f in alarms) or "none",
-               "n_tests": sum(1 for k in keys for f, _ in values[k]["cell"] if f != "fp32"), "min_detect": fewest_prompts_to_detect()}
+               "n_tests": sum(1 for k in keys for st in (values[k], values[k]["prose"], values[k]["cached"])
+                             for f, _ in st.get("cell", {}) if f != "fp32"), "min_detect": fewest_prompts_to_detect(),
+               "undetectable": fewest_prompts_to_detect() - 1}
     values["formats_md"] = _formats_md(values["figure_formats"] + list(CH4_MITIGATIONS))
     for model in sweeps:
         m = values[CH4_KEYS.get(model, model)]
@@ -592,20 +601,32 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["lost_share"] = {f: [cell[f, n]["lost"] / max(1, m["ref"][n][0]) for n in m["lengths"] if (f, n) in cell]
                            for f in m["by"]}
         upto = [n for n in m["lengths"] if n <= CH4_COMMON_LONGEST]
+        lost = {f: [x[0] for x in lg] for f, lg in m["lost_gained"].items()}
 
         def rises(xs):
             return len(xs) > 2 and all(a < b for a, b in zip(xs, xs[1:]))
 
-        # a loss that grows: a share that rises at every step and ends worse by the paired test (one lost prompt
-        # more or less is not growth)
-        m["grows_common"] = [f for f, xs in m["lost_share"].items()
-                             if rises(xs[:len(upto)]) and cell.get((f, upto[-1]), {}).get("verdict") == "worse"]
-        m["grows_all"] = [f for f, xs in m["lost_share"].items()
-                          if rises(xs) and cell.get((f, L), {}).get("verdict") == "worse"]
+        def grows(f, n_steps):
+            # more prompts lost at every step, counted and as a share of what full precision found (a share
+            # that rises only because full precision fell is not growth), ending worse by the paired test
+            k = min(n_steps, len(lost[f]))
+            return rises(lost[f][:k]) and rises(m["lost_share"][f][:k]) \
+                and cell.get((f, m["lengths"][k - 1]), {}).get("verdict") == "worse"
+
+        m["grows_common"] = [f for f in m["by"] if f in lost and grows(f, len(upto))]
+        # how far each keeps growing, and what the longest length shows
+        m["grows_to"] = {f: max(k for k in range(len(upto), len(m["lengths"]) + 1) if grows(f, k))
+                         for f in m["grows_common"]}
         m["grows_common_md"] = ", ".join(
-            f"`{f}` ({', '.join(f'{x:.0%}' for x in m['lost_share'][f][:len(upto)])})" for f in m["grows_common"]) or "none"
-        m["grows_all_md"] = names_md(m["grows_all"])
-        m["grows_names_md"] = names_md(m["grows_common"])
+            f"`{f}` ({', '.join(str(x) for x in lost[f][:m['grows_to'][f]])} lost, to {_k(m['lengths'][m['grows_to'][f] - 1])})"
+            for f in m["grows_common"]) or "none"
+        m["grows_names_md"] = names_md(m["grows_common"], empty="no format")
+        m["lost_md"] = {f: ", ".join(str(x) for x in xs) for f, xs in lost.items()}
+        m["single_cell"] = [f for f, r in m["by"].items() if len(r["worse_at"]) == 1]
+        m["single_cell_md"] = ", ".join(f"`{f}` ({_k(m['by'][f]['worse_at'][0])})" for f in m["single_cell"]) or "none"
+        m["longest_grow_k"] = _k(m["lengths"][max(m["grows_to"].values(), default=len(upto)) - 1])
+        m["shrinks_at_longest"] = [f for f in m["grows_common"] if m["grows_to"][f] < len(m["lengths"])
+                                   and lost[f][-1] < max(lost[f])]
         m["common_longest_k"] = _k(upto[-1])
         m["flipped_at_longest"] = [f for f in m["by"] if (f, L) in cell and cell[f, L]["gained"] >= 2]
         m["flipped_at_longest_md"] = names_md(m["flipped_at_longest"])
@@ -636,6 +657,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "on Gemma at 8k with the prompt quantized, q4_0 is still not worse than full precision; per-token INT4 is":
             _claim(G["cached"]["measured"] and G["cached"]["status"].get("q4_0") == "never worse"
                    and G["cached"]["status"].get("int4_token", "").startswith("worse")),
+        "on Gemma every growing loss keeps growing past 8k and is smaller at 32k, where full precision falls":
+            _claim(G["grows_common"] and all(G["grows_to"][f] > len([n for n in G["lengths"] if n <= CH4_COMMON_LONGEST])
+                                            for f in G["grows_common"])
+                   and set(G["shrinks_at_longest"]) == set(G["grows_common"]), (G["grows_to"], G["lost_md"])),
         "on Gemma rotation lifts per-tensor INT4 at the shortest length":
             _claim(G["cell"]["int4_tensor+rotate", G["lengths"][0]]["correct"]
                    > G["cell"]["int4_tensor", G["lengths"][0]]["correct"] + 10),
@@ -668,6 +693,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     }
     S = values.get("S")
     both = [m for m in (G, S) if m is not None]
+    later_ppl = sorted((m["ppl"][f], f) for m in both for f in m["later"] if f in m["ppl"])
+    values["trap_at"], values["trap_first"] = later_ppl[0] if later_ppl else (None, None)
     values["never_both"] = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]
     values["never_both_md"] = names_md(values["never_both"])
     both_claims = {
@@ -675,6 +702,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
         "one scale per tensor was worse on both models": _claim(all(m["by"]["int4_tensor"]["worse_at"] for m in both)),
         "no format is trapped on either model": _claim(all(not m["trap"] for m in both), {m["name"]: m["trap"] for m in both}),
+        "a bar looser than the first short-needle passer's perplexity increase would let the trap appear":
+            _claim(values["trap_at"] is not None and values["trap_at"] > PPL_TOLERANCE, later_ppl[:2]),
         "on both models perplexity flagged every format that passed the short needle and lost a longer one":
             _claim(all(set(m["later"]) <= set(m["ppl_flags"]) for m in both), {m["name"]: m["later"] for m in both}),
         "FP8, INT8, q8_0 and KIVI-4 are among the formats never worse on both models":
@@ -686,8 +715,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(G is None or S is None or (len(S["by"]["kivi-2+rotate"]["worse_at"]) < len(S["by"]["kivi-2"]["worse_at"]))),
         "one scale per token was worse from the shortest length on Gemma and never on SmolLM2":
             _claim(G is None or S is None or ("int4_token" in G["short"] and not S["by"]["int4_token"]["worse_at"])),
-        "on SmolLM2 one scale per tensor lost a growing share of full precision's needles (4.5 cites it)":
-            _claim(S is None or "int4_tensor" in S["grows_common"], S and S["lost_share"].get("int4_tensor")),
+        "on SmolLM2 per-tensor INT4's paired losses do not grow at every step (appendix B cites them)":
+            _claim(S is None or "int4_tensor" not in S["grows_common"], S and S["lost_md"].get("int4_tensor")),
         "both models were swept to at least 8k": _claim(all(m["longest"] >= CH4_COMMON_LONGEST for m in both),
                                                         {m["name"]: m["longest"] for m in both}),
     }
