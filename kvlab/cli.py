@@ -258,32 +258,15 @@ def cmd_niah_endpoint(args) -> int:
             tok = AutoTokenizer.from_pretrained(resolve(name))
         except (OSError, ValueError) as e:
             raise ValueError(f"--tokenizer {name}: could not load it ({str(e).splitlines()[0]})") from None
-        for e in eps:  # the server says how long a prompt may be: refuse what it would refuse, before building it
-            e.resolve_model()
-            limit = e.identity.get("max_model_len")
-            if isinstance(limit, int) and max(args.lengths) + args.max_tokens > limit:
-                raise ValueError(f"--lengths {max(args.lengths)} + --max-tokens {args.max_tokens} is past {e.url}'s "
-                                 f"max_model_len of {limit}")
-        prompts = E.ladder_prompts(tok, args.task, args.lengths, args.depths or [1.0], args.trials, seed=args.seed,
-                                   hops=args.hops, haystack=args.haystack)
         t0 = time.perf_counter()
-        records = E.run_ladder(eps, prompts, journal, max_tokens=args.max_tokens, top_logprobs=args.top_logprobs,
-                               concurrency=args.concurrency, progress=not args.json)
-        doc = E.side_by_side(records, eps[0].url, eps[1].url if len(eps) > 1 else None)
-        if args.ppl_windows:  # a failed rung is recorded beside the ladder's result, not instead of it
-            doc["perplexity"], doc["perplexity_errors"] = {}, {}
-            for e in eps:
-                try:
-                    doc["perplexity"][e.url] = E.perplexity(e, tok, max_windows=args.ppl_windows)
-                except E.EndpointError as err:
-                    doc["perplexity"][e.url] = None
-                    doc["perplexity_errors"][e.url] = str(err)
-                    print(f"kvlab: warning: perplexity: {err}", file=sys.stderr)
-                except KeyboardInterrupt:  # the ladder's result is whole: write it, without this rung
-                    doc["perplexity"][e.url] = None
-                    doc["perplexity_errors"][e.url] = "interrupted"
-                    interrupted = True
-                    break
+        doc = E.compare(eps, tok, journal, task=args.task, lengths=args.lengths, depths=args.depths or [1.0],
+                        trials=args.trials, seed=args.seed, hops=args.hops, haystack=args.haystack,
+                        max_tokens=args.max_tokens, top_logprobs=args.top_logprobs, concurrency=args.concurrency,
+                        ppl_windows=args.ppl_windows, progress=not args.json)
+        for err in doc.get("perplexity_errors", {}).values():
+            if err != "interrupted":
+                print(f"kvlab: warning: perplexity: {err}", file=sys.stderr)
+        interrupted = "interrupted" in doc.get("perplexity_errors", {}).values()
     except (ValueError, E.EndpointError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
@@ -293,8 +276,6 @@ def cmd_niah_endpoint(args) -> int:
             sys.stderr.flush()
             os._exit(130)
         return 130
-    doc["settings"] = {k: getattr(args, k) for k in ("task", "lengths", "depths", "trials", "seed", "hops",
-                                                     "haystack", "max_tokens", "top_logprobs", "concurrency")}
     doc["journal"] = str(journal)
     doc["wall_seconds"] = round(time.perf_counter() - t0, 1)  # this run only (a resumed run reuses answers)
     write_json(out, doc)

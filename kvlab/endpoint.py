@@ -661,6 +661,43 @@ def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, ma
     return math.exp(nll / count)
 
 
+def compare(endpoints: list[Endpoint], tok, journal: str | Path, *, task: str = "passkey", lengths=(512, 2048),
+            depths=(1.0,), trials: int = 3, seed: int = 0, hops: int = 2, haystack: str = "filler",
+            max_tokens: int = 12, top_logprobs: int = 5, concurrency: int = 4, ppl_windows: int = 0,
+            progress: bool = True) -> dict:
+    """The ladder against running servers, side by side: what ``kvlab niah --endpoint URL [--compare URL2]`` and
+    ``scripts/compare_engines.py`` run. The first endpoint is the teacher. Prompts past a server's
+    ``max_model_len`` are refused before any is built; answers go to ``journal`` as they arrive (a rerun resumes).
+    With ``ppl_windows``, each server's held-out perplexity is added (``doc["perplexity"]``); a failed or
+    interrupted perplexity rung is recorded in ``doc["perplexity_errors"]`` beside the ladder's result, not instead
+    of it. Raises :class:`Interrupted` (answers kept in the journal) when the ladder itself is interrupted."""
+    for e in endpoints:  # the server says how long a prompt may be: refuse what it would refuse, before building it
+        e.resolve_model()
+        limit = e.identity.get("max_model_len")
+        if isinstance(limit, int) and max(lengths) + max_tokens > limit:
+            raise ValueError(f"--lengths {max(lengths)} + --max-tokens {max_tokens} is past {e.url}'s "
+                             f"max_model_len of {limit}")
+    prompts = ladder_prompts(tok, task, lengths, depths, trials, seed=seed, hops=hops, haystack=haystack)
+    records = run_ladder(endpoints, prompts, journal, max_tokens=max_tokens, top_logprobs=top_logprobs,
+                         concurrency=concurrency, progress=progress)
+    doc = side_by_side(records, endpoints[0].url, endpoints[1].url if len(endpoints) > 1 else None)
+    doc["settings"] = dict(task=task, lengths=list(lengths), depths=list(depths), trials=trials, seed=seed, hops=hops,
+                           haystack=haystack, max_tokens=max_tokens, top_logprobs=top_logprobs, concurrency=concurrency)
+    if ppl_windows:
+        doc["perplexity"], doc["perplexity_errors"] = {}, {}
+        for e in endpoints:
+            try:
+                doc["perplexity"][e.url] = perplexity(e, tok, max_windows=ppl_windows)
+            except EndpointError as err:
+                doc["perplexity"][e.url] = None
+                doc["perplexity_errors"][e.url] = str(err)
+            except KeyboardInterrupt:  # the ladder's result is whole: return it, without this rung
+                doc["perplexity"][e.url] = None
+                doc["perplexity_errors"][e.url] = "interrupted"
+                break
+    return doc
+
+
 def load(path: str | Path) -> dict:
     """A side-by-side JSON written by ``kvlab niah --endpoint ... --out``."""
     doc = json.loads(Path(path).read_text())

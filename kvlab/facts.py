@@ -606,7 +606,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         def rises(xs):
             return len(xs) > 2 and all(a < b for a, b in zip(xs, xs[1:]))
 
-        def grows(f, n_steps):
+        def grows(f, n_steps, lost=lost, m=m, cell=cell):
             # more prompts lost at every step, counted and as a share of what full precision found (a share
             # that rises only because full precision fell is not growth), ending worse by the paired test
             k = min(n_steps, len(lost[f]))

@@ -125,14 +125,16 @@ def llama(args) -> dict:
 
 
 def llama_server(args) -> dict:
-    """Two llama.cpp servers on loopback (f16 and q4_0 K/V cache), compared by ``kvlab niah --endpoint``."""
+    """Two llama.cpp servers on loopback (f16 and q4_0 K/V cache), compared by :func:`kvlab.endpoint.compare`
+    (what ``kvlab niah --endpoint URL --compare URL2`` runs)."""
     import socket
     import subprocess
     import tempfile
 
     import httpx
+    from transformers import AutoTokenizer
 
-    from kvlab.cli import main as kvlab
+    from kvlab import endpoint
     from kvlab.models import smollm2_folder, smollm2_gguf
 
     try:
@@ -168,27 +170,22 @@ def llama_server(args) -> dict:
                 time.sleep(0.5)
             else:
                 raise SystemExit(f"llama.cpp server ({ct}) did not answer within 120 s; see {log}")
-        out = args.out or Path(tempfile.mkdtemp()) / "llama_server.json"
+        journal = Path(tempfile.mkdtemp()) / "llama_server.requests.jsonl"  # the run's journal: not data to ship
+        tok = AutoTokenizer.from_pretrained(smollm2_folder())
         t = time.time()
-        rc = kvlab(["niah", "--endpoint", urls["f16"], "--compare", urls["q4_0"], "--tokenizer", str(smollm2_folder()),
-                    "--lengths", ",".join(map(str, args.lengths)), "--depths", ",".join(map(str, args.depths)),
-                    "--trials", str(args.trials), "--max-tokens", str(args.new_tokens), "--concurrency", "2",
-                    "--top-logprobs", "5", "--out", str(out)])
-        if rc != 0:
-            raise SystemExit(f"kvlab niah --endpoint exited {rc}")
+        doc = endpoint.compare([endpoint.Endpoint(urls["f16"]), endpoint.Endpoint(urls["q4_0"])], tok, journal,
+                               lengths=args.lengths, depths=args.depths, trials=args.trials,
+                               max_tokens=args.new_tokens, top_logprobs=5, concurrency=2, progress=True)
     finally:
         for p_ in procs:
             p_.terminate()
             p_.wait(timeout=30)
-    doc = json.loads(Path(out).read_text())
-    Path(out).with_suffix(".requests.jsonl").unlink(missing_ok=True)  # the run's journal: not data to ship
     doc |= {"what": "two llama.cpp servers (llama-cpp-python's OpenAI-compatible server) on SmolLM2-135M-Instruct's "
                     "GGUF, K/V cache f16 (teacher) and q4_0 (student), flash attention on, one thread each; "
                     "compared with `kvlab niah --endpoint URL --compare URL2` on chapter 4's passkey prompts",
             "labels": {urls["f16"]: "llama.cpp f16 cache", urls["q4_0"]: "llama.cpp q4_0 cache"},
             "versions": {"llama-cpp-python": md.version("llama-cpp-python"), "kvlab": md.version("kvlab")},
             "machine": cpu_model(), "seconds": round(time.time() - t), "date": dt.date.today().isoformat()}
-    doc.pop("journal", None)
     if args.out is not None:
         write_json(args.out, doc)
     print(json.dumps({doc["labels"][u]: sum(r["correct"] for r in v["rows"]) for u, v in doc["results"].items()}))

@@ -600,3 +600,19 @@ def test_an_api_key_with_spaces_is_refused_without_echoing_it():
         with pytest.raises(ValueError, match="bearer token is one word") as e:
             E.Endpoint("http://h:8000", api_key=key)
         assert "SECRET" not in str(e.value)
+
+
+def test_compare_is_the_library_call_and_an_interrupted_perplexity_keeps_the_ladder(stub, tmp_path, monkeypatch, smollm2):
+    """endpoint.compare is what the CLI and scripts/compare_engines.py run: the ladder, side by side, and the
+    perplexity rung recorded beside it; Ctrl-C during that rung returns the whole ladder, marked interrupted."""
+    s = stub(lambda n: (200, _completion()))
+    _, tok = smollm2
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(E, "perplexity", ctrl_c)
+    doc = E.compare([E.Endpoint(s.url)], tok, tmp_path / "j.jsonl", lengths=[256], depths=[0.5], trials=2,
+                    ppl_windows=1, progress=False)
+    assert doc["perplexity"] == {s.url: None} and doc["perplexity_errors"] == {s.url: "interrupted"}
+    assert sum(r["trials"] for r in doc["results"][s.url]["rows"]) == 2
