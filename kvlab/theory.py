@@ -118,13 +118,12 @@ def retrieval_head_stats(model, tok, fmt, length: int, depth: float = 0.5, seed:
     over the distractors, the theory's prediction of the needle's share
     (:func:`needle_mass`) and the share actually measured with quantized keys.
     """
-    import random
 
     from . import models, tasks
     from .metrics import attention_logits
     from .quant import quantize_kv
 
-    ex = tasks.passkey(tok, length, depth, random.Random(f"{seed}-{length}-{depth}"))
+    ex = tasks.sweep_prompts(tasks.passkey, tok, length, depth, 1, seed)[0]  # the sweeps' own first prompt
     if not 0 <= step < len(ex.answer_ids):
         raise ValueError(f"step must be in [0, {len(ex.answer_ids)}), got {step}")
     ids = ex.input_ids + ex.answer_ids[:step]

@@ -89,3 +89,13 @@ def test_retrieval_head_table_follows_one_head(tiny_llama):
     assert t["sigma"]["int4_tensor"] > 1e-3 > t["sigma"]["fp32"] and t["drift"]["int4_tensor"] > 0
     with pytest.raises(ValueError, match="at least one"):
         theory.retrieval_head_table(tiny_llama, DigitTok(), [], [200])
+
+
+def test_the_retrieval_head_reads_the_sweeps_own_prompt_whatever_the_depth_type(shipped):
+    """depth 0 and 0.0 must give the same prompt (the sweeps seed on float(depth)): the stats agree exactly."""
+    from kvlab import theory
+
+    model, tok = shipped
+    a = theory.retrieval_head_stats(model, tok, "int8", length=128, depth=0)
+    b = theory.retrieval_head_stats(model, tok, "int8", length=128, depth=0.0)
+    assert a == b
