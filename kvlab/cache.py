@@ -377,6 +377,7 @@ class KVQuantCache(Cache):
             windows = layer_windows(config)
             if num_layers is not None and num_layers != len(windows):
                 raise ValueError(f"num_layers={num_layers} but the config has {len(windows)} layers")
+            self._check_layer_types(windows)
             super().__init__(layers=[self._layer(w) for w in windows])
         elif self.layer_formats and not _layers_from_prefill:
             raise ValueError(f"{self.fmt.name!r} stores each layer type its own way: pass config=model.config so "
@@ -387,6 +388,13 @@ class KVQuantCache(Cache):
             if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
                 raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
             super().__init__(layers=[self._layer(None) for _ in range(num_layers)])
+
+    def _check_layer_types(self, windows: list) -> None:
+        """A per-layer-type format must name layer types the model has (else it silently stores fp32)."""
+        present = {"sliding_attention" if w else "full_attention" for w in windows}
+        if missing := [t for t in self.layer_formats if t not in present]:
+            raise ValueError(f"KV format {self.fmt.name!r} quantizes {missing[0].replace('_', ' ')} layers; "
+                             "this model has none")
 
     def _layer(self, window: int | None) -> KVQuantLayer:
         fmt = self.layer_formats.get("sliding_attention" if window else "full_attention", self.fmt.for_layer(window))
@@ -407,8 +415,10 @@ class KVQuantCache(Cache):
         if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
             raise ValueError("prefill must be a transformers cache that a forward pass has filled")
         cache = cls(fmt, quantize_prefill=False, kernel=kernel, layer_formats=layer_formats, _layers_from_prefill=True)
-        cache.layers = [cache._layer(getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False)
-                                     else None) for layer in layers]
+        windows = [getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+                   for layer in layers]
+        cache._check_layer_types(windows)
+        cache.layers = [cache._layer(w) for w in windows]
         for i, layer in enumerate(layers):
             cache.update(layer.keys, layer.values, i)
             # a windowed prefill layer holds only its last tokens: keep their true positions

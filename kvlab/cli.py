@@ -15,6 +15,7 @@ Bad input exits with status 2 and one line that names the argument.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from . import budget as B
 from .formats import format_names, get_format
-from .paths import out_problem
+from .paths import WriteError, out_problem, read_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -193,10 +194,7 @@ def cmd_niah(args) -> int:
         if args.haystack_file is not None:
             if args.task != "passkey":
                 raise ValueError("--haystack-file is for the passkey task")
-            try:
-                text = Path(args.haystack_file).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise ValueError(f"--haystack-file {args.haystack_file}: cannot read it as UTF-8 text ({e})") from None
+            text = read_text(args.haystack_file, "--haystack-file")
         model, tok = load_model(args.model)
         if args.task == "passkey":
             res = evals.passkey_sweep(model, tok, args.kv_format, args.lengths, args.depths, args.trials,
@@ -209,8 +207,14 @@ def cmd_niah(args) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
+    failed_write = False
     if args.out:
-        res.save(args.out)  # atomic
+        try:
+            res.save(args.out)  # atomic
+        except WriteError as e:  # the run is done: keep it on stdout rather than lose it
+            print(f"kvlab: error: --out {e}; the result follows on stdout", file=sys.stderr)
+            args.json = True
+            failed_write = True
     if args.json:
         print(json.dumps({"task": res.task, "model": res.model, "kv_format": res.kv_format,
                           "accuracy": res.accuracy(), "rows": res.rows, "meta": res.meta}, indent=1, allow_nan=False))
@@ -218,7 +222,7 @@ def cmd_niah(args) -> int:
         print(f"{res.task} with {res.kv_format}: exact match {res.accuracy():.1%} over {len(res.rows)} cells")
         for n in res.lengths:
             print(f"  {n:>6} tokens: " + "  ".join(f"d={d:.2f} {res.accuracy(n, d):4.0%}" for d in res.depths))
-    return 0
+    return 1 if failed_write else 0
 
 
 def cmd_niah_endpoint(args) -> int:
@@ -278,7 +282,13 @@ def cmd_niah_endpoint(args) -> int:
         return 130
     doc["journal"] = str(journal)
     doc["wall_seconds"] = round(time.perf_counter() - t0, 1)  # this run only (a resumed run reuses answers)
-    write_json(out, doc)
+    try:
+        write_json(out, doc)
+    except WriteError as e:  # the answers are in the journal (a rerun resumes); show the result too
+        print(f"kvlab: error: --out {e}; the result follows on stdout (the answers stay in {journal})",
+              file=sys.stderr)
+        print(json.dumps(doc, indent=1, allow_nan=False))
+        return 1
     failed = sum(len(v) for v in doc["errors"].values())
     if args.json:
         print(json.dumps(doc, indent=1, allow_nan=False))
@@ -289,7 +299,9 @@ def cmd_niah_endpoint(args) -> int:
                   f"{'right' if d['teacher_correct'] else 'wrong'} ({d['teacher_text'][:24]!r}), student "
                   f"{'right' if d['student_correct'] else 'wrong'} ({d['student_text'][:24]!r})")
         if failed:
-            print(f"{failed} requests failed after their retries (see {journal}); run again to retry them")
+            first = next(e for errs in doc["errors"].values() for e in errs)
+            print(f"{failed} requests failed after their retries (see {journal}); run again to retry them. "
+                  f"The first: {first['error'][:300]}")
         print(f"wrote {out}")
     for url, off in doc["length_check"].items():  # the server counted other tokens than the prompt was built from
         if off is not None and off > E.LENGTH_TOLERANCE:
@@ -301,10 +313,30 @@ def cmd_niah_endpoint(args) -> int:
     return 1 if failed else 0
 
 
+def _listen_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen at ``host:port`` (checked before the model loads), or None."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        return f"--host {host!r}: not an address this machine can resolve ({getattr(e, 'strerror', None) or e})"
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server itself does
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return f"--host {host} --port {port}: cannot listen there ({e.strerror or e})"
+    return None
+
+
 def cmd_serve(args) -> int:
     from .models import load_model
     from .server import CompletionServer
 
+    if why := _listen_problem(args.host, args.port):
+        print(f"kvlab: error: {why}", file=sys.stderr)
+        return 2
     try:
         model, tok = load_model(args.model)
         srv = CompletionServer(model, tok, args.kv_format, name=args.name, host=args.host, port=args.port,
@@ -367,13 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("budget", help="cache bytes for a model, batch, context and KV format")
     b.add_argument("--model", required=True, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
-    b.add_argument("--batch", required=True, type=_int("--batch", 1))
-    b.add_argument("--context", required=True, type=_int("--context", 0), help="tokens per sequence")
+    b.add_argument("--batch", required=True, type=_int("--batch", 1, 10**7))
+    b.add_argument("--context", required=True, type=_int("--context", 1, 10**9), help="tokens per sequence")
     b.add_argument("--kv-dtype", default="bf16", type=_kv_format, help="KV format (see `kvlab formats`)")
     b.add_argument("--gpu", help="GPU preset ({})".format(", ".join(B.gpus())))
     b.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
-    b.add_argument("--tp", default=1, type=_int("--tp", 1), help="tensor-parallel ranks")
-    b.add_argument("--block-size", default=1, type=_int("--block-size", 1), help="paged-cache block size in tokens")
+    b.add_argument("--tp", default=1, type=_int("--tp", 1, 1024), help="tensor-parallel ranks")
+    b.add_argument("--block-size", default=1, type=_int("--block-size", 1, 2**20), help="paged-cache block size in tokens")
     b.add_argument("--memory-utilization", default=0.9, type=_fraction, help="fraction of GPU memory usable")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_budget)
@@ -384,9 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "a model folder or a hub name")
     n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=[0.0, 0.5, 1.0], help="e.g. 0,0.5,1")
-    n.add_argument("--trials", type=_int("--trials", 1), default=5, help="prompts per cell")
+    n.add_argument("--trials", type=_int("--trials", 1, 10_000), default=5, help="prompts per cell")
     n.add_argument("--task", choices=["passkey", "chain"], default="passkey")
-    n.add_argument("--hops", type=_int("--hops", 1), default=2, help="links to follow (chain task)")
+    n.add_argument("--hops", type=_int("--hops", 1, 50), default=2, help="links to follow (chain task)")
     n.add_argument("--seed", type=int, default=0)
     n.add_argument("--haystack", choices=["filler", "prose"], default="filler",
                    help="repeated filler sentences, or English text (CPython's docstrings; passkey task)")
@@ -406,14 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--compare", help="a second server, e.g. the same model with --kv-cache-dtype fp8")
     e.add_argument("--tokenizer", help="a local tokenizer of the served model (default: --model's)")
     e.add_argument("--endpoint-model", help="the served model's id (default: the server's only model)")
-    e.add_argument("--concurrency", type=_int("--concurrency", 1), default=4, help="requests in flight per run")
+    e.add_argument("--concurrency", type=_int("--concurrency", 1, 256), default=4, help="requests in flight per run")
     e.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds to wait for one answer")
-    e.add_argument("--retries", type=_int("--retries", 0), default=3, help="retries on 429, 5xx and timeouts")
+    e.add_argument("--retries", type=_int("--retries", 0, 20), default=3, help="retries on 429, 5xx and timeouts")
     e.add_argument("--backoff", type=_positive_float, default=0.5, help="seconds before the first retry (doubles)")
-    e.add_argument("--max-tokens", type=_int("--max-tokens", 1), default=12, help="tokens generated per prompt")
-    e.add_argument("--top-logprobs", type=_int("--top-logprobs", 0), default=5,
+    e.add_argument("--max-tokens", type=_int("--max-tokens", 1, 4096), default=12, help="tokens generated per prompt")
+    e.add_argument("--top-logprobs", type=_int("--top-logprobs", 0, 20), default=5,
                    help="top-k logprobs asked per step for teacher agreement (0: none)")
-    e.add_argument("--ppl-windows", type=_int("--ppl-windows", 0), default=0,
+    e.add_argument("--ppl-windows", type=_int("--ppl-windows", 0, 1000), default=0,
                    help="also the perplexity rung over this many 512-token windows (needs echo logprobs)")
     n.set_defaults(func=cmd_niah)
 
@@ -422,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
     v.add_argument("--name", help="the model id it answers to (default: the model's path)")
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=_int("--port", 0), default=8000)
+    v.add_argument("--port", type=_int("--port", 0, 65535), default=8000)
     v.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: a fresh prompt attends in full precision and only the stored cache is quantized "
                         "(as transformers' QuantizedCache does); cached: it reads the quantized cache (as vLLM V1 "
@@ -437,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", default="H100-80GB")
     s.add_argument("--kv-dtype", default="bf16", type=_kv_format)
     s.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
-    s.add_argument("--block-size", type=_int("--block-size", 1), default=None,
+    s.add_argument("--block-size", type=_int("--block-size", 1, 2**20), default=None,
                    help="tokens per block (default 16; 512 for traces)")
     s.add_argument("--requests", type=_int("--requests", 1, MAX_REQUESTS), default=None,
                    help=f"how many requests to replay (at most {MAX_REQUESTS:,})")
@@ -459,10 +491,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, inside the handler below
+        return rc
     except KeyboardInterrupt:  # Ctrl-C before any result existed: nothing to keep, no traceback
         print("kvlab: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EIO):
+            raise
+        try:  # standard output is gone: later writes (and the flush at exit) must not raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        print(f"kvlab: error: cannot write the output ({e.strerror or e})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

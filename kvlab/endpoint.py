@@ -68,7 +68,7 @@ def _redacted(url: str) -> str:
     """``url`` for messages: any ``user:password@`` replaced, and cut to 200 characters."""
     import re
 
-    return re.sub(r"(?<=//)[^/@]*@", "***@", url.strip())[:200]
+    return re.sub(r"(?<=//)[^/]*@", "***@", url.strip())[:200]  # up to the last @ before the path: a password may hold @
 
 
 def base_url(url: str) -> str:
@@ -174,7 +174,7 @@ class Endpoint:
             except httpx.HTTPError as e:  # the connection dropped mid-answer
                 last = f"{type(e).__name__}: {e}"
                 continue
-            if r.status_code == 429 or r.status_code >= 500:
+            if r.status_code in (429, 500, 502, 503, 504):  # what may pass; 501, 505, ... never will
                 last = f"HTTP {r.status_code}: {_server_message(content)}"
                 retry_after = r.headers.get("Retry-After", "")
                 if re.fullmatch(r"[0-9]{1,4}", retry_after) and attempt < self.retries:
@@ -182,6 +182,10 @@ class Endpoint:
                 continue
             if r.status_code >= 400:
                 raise EndpointError(f"{url} answered HTTP {r.status_code}: {_server_message(content)}")
+            if 300 <= r.status_code < 400:
+                where = _redacted(r.headers.get("Location", "?"))
+                raise EndpointError(f"{url} answered HTTP {r.status_code}, a redirect to {where!r}, not followed: "
+                                    "give the server's own address")
             doc = _json_or_none(content)
             if doc is None:
                 raise EndpointError(f"{url} answered with something that is not JSON: {content[:200]!r}")
@@ -337,9 +341,13 @@ def _json_or_none(content: bytes):
 
 
 def _server_message(content: bytes) -> str:
+    """A server's error body in one line: its JSON message, or the text of an HTML page without the tags."""
     doc = _json_or_none(content)
     if doc is None:
-        return content[:300].decode("utf-8", "replace")
+        text = content[:4000].decode("utf-8", "replace")
+        title = re.search(r"<title>(.*?)</title>", text, re.S | re.I)
+        text = title.group(1) if title else re.sub(r"<[^>]*>", " ", text)
+        return " ".join(text.split())[:300]
     err = doc.get("error", doc) if isinstance(doc, dict) else doc
     msg = err.get("message", err) if isinstance(err, dict) else err
     return str(msg)[:300]

@@ -37,6 +37,32 @@ def out_problem(path: str | Path, flag: str = "--out") -> str | None:
     return None
 
 
+MAX_TEXT_BYTES = 64 * 2**20  # a haystack or corpus file: far more than a 32k-token prompt needs
+
+
+def read_text(path: str | Path, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """A UTF-8 text file given on the command line, or ``ValueError`` naming ``flag``: a regular file (a device
+    or a pipe never ends), at most ``max_bytes``, not empty."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{flag} {path}: " + ("is not a regular file (a device or a pipe has no end to read to)"
+                                               if p.exists() else "no such file"))
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"{flag} {path}: {size:,} bytes, more than the {max_bytes:,} this reads")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read it as UTF-8 text ({e})") from None
+    if not text.strip():
+        raise ValueError(f"{flag} {path}: the file is empty")
+    return text
+
+
+class WriteError(OSError):
+    """A result file could not be written (disk full, quota, permissions changed during the run)."""
+
+
 def write_json(path: str | Path, doc) -> None:
     """Write ``doc`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename),
     so an interrupted run never leaves a half-written result."""
@@ -44,11 +70,21 @@ def write_json(path: str | Path, doc) -> None:
     if why := out_problem(path, "path"):  # never rename over a device or into a folder that is not there
         raise ValueError(why)
     text = json.dumps(doc, indent=1, allow_nan=False) + "\n"  # strict JSON: a NaN is a bug, named here
+    try:  # the mode a plain open() would give: the old file's, else what the umask allows (mkstemp makes 0600)
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
+    except OSError as e:  # a full disk, a quota: say which file, in one line (callers keep the result elsewhere)
+        Path(tmp).unlink(missing_ok=True)
+        raise WriteError(f"{path}: could not write it ({e.strerror or e})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

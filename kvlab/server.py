@@ -31,6 +31,7 @@ from .formats import get_format
 MAX_LOGPROBS = 20
 SOCKET_TIMEOUT_S = 30.0  # a client that sends nothing for this long is dropped (a half-sent request cannot pin a thread)
 REQUEST_DEADLINE_S = 60.0  # and one that drips its request must have sent all of it by then
+DRAIN_BYTES = 64 * 2**20  # of a refused (too large) body, read and dropped so the client sees the 413
 MAX_CONNECTIONS = 64  # connections handled at once; more get 503 at once instead of a thread each
 MAX_JSON_DEPTH = 32  # deeper JSON is refused before parsing (Python's parser would recurse into it)
 # every field of /v1/completions this server reads; anything else is refused with 400 rather than ignored
@@ -58,10 +59,13 @@ class ClientGone(Exception):
     """The client closed its connection while its completion was being generated."""
 
 
-def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bool = False):
+def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bool = False,
+               null_is_default: bool = False):
     v = body.get(name, default)
     if v is None and nullable:
         return None
+    if v is None and null_is_default:  # OpenAI's API reads an explicit null as "the default"
+        return default
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise RequestError(400, f"{name!r} must be an integer in [{lo}, {hi}], got {str(v)[:40]!r}")
     return v
@@ -138,7 +142,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def parse_request(self):
         """As http.server does, except that a request without a version (HTTP/0.9, which would be answered with
-        no status line) gets a 400 in the API's JSON shape."""
+        no status line) gets a 400 in the API's JSON shape, and empty lines before the request line are skipped
+        (RFC 9112, 2.2)."""
+        skipped = 0
+        while self.raw_requestline in (b"\r\n", b"\n") and skipped < 8:
+            self.raw_requestline = self.rfile.readline(65537)
+            skipped += 1
         if not super().parse_request():
             return False
         if self.request_version == "HTTP/0.9":
@@ -228,6 +237,16 @@ class _Handler(BaseHTTPRequestHandler):
                  "kv_format": srv.fmt.name, "max_model_len": srv.max_context}]})
         self._error(404, f"no route GET {self.path}")
 
+    def _drain(self, n: int) -> None:
+        """Read and drop up to ``n`` bytes of a body the server refuses (briefly: a client that stops sending
+        is left to the request deadline)."""
+        try:
+            self.connection.settimeout(1.0)
+            while n > 0 and (chunk := self.rfile.read1(min(n, 1 << 16))):
+                n -= len(chunk)
+        except OSError:
+            pass
+
     def _body(self) -> dict:
         """The request's JSON object, its size checked against the limit before a byte of it is read."""
         srv = self.server.kvlab
@@ -239,10 +258,11 @@ class _Handler(BaseHTTPRequestHandler):
         raw_len = lengths[0] if lengths else None
         if raw_len is None:
             raise RequestError(411, "a POST needs a Content-Length header")
-        if not re.fullmatch(r"[0-9]{1,18}", raw_len.strip()):
+        if not re.fullmatch(r"[0-9]+", raw_len.strip()):
             raise RequestError(400, f"Content-Length must be a non-negative integer, got {raw_len[:40]!r}")
-        n = int(raw_len)
+        n = int(raw_len.strip()[:40])  # a 40-digit length is as much too large as a 19-digit one
         if n > srv.max_body:
+            self._drain(min(n, DRAIN_BYTES))  # read what we can, so that the client reads the 413 and not a reset
             raise RequestError(413, f"the request body is {n} bytes; this server takes at most {srv.max_body} "
                                     f"(prompts of up to {srv.max_context} tokens)")
         raw = self.rfile.read(n)
@@ -323,6 +343,14 @@ class _Server(ThreadingHTTPServer):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address):
+        """A client that went away mid-answer is not a server error: no traceback on stderr for that."""
+        import sys
+
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            return
+        super().handle_error(request, client_address)
 
     def process_request_thread(self, request, client_address):
         try:
@@ -472,7 +500,7 @@ class CompletionServer:
                 raise RequestError(400, f"{pen!r} is not supported (only 0)")
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise RequestError(400, "'user' must be a string")
-        max_new = _int_field(body, "max_tokens", 16, 0, self.max_tokens)
+        max_new = _int_field(body, "max_tokens", 16, 0, self.max_tokens, null_is_default=True)
         k = _int_field(body, "logprobs", None, 0, MAX_LOGPROBS, nullable=True)
         echo = body.get("echo", False)
         if not isinstance(echo, bool):

@@ -266,7 +266,13 @@ def pool_blocks(model, gpu, kv_format, weights_dtype="bf16", block_size=16, memo
         pool_bytes = B.fit(model, gpu, weights_dtype, memory_utilization=memory_utilization).free_for_cache_per_gpu
     if pool_bytes <= 0:
         raise ValueError(f"the weights of {model} leave no memory for the KV cache on {gpu}")
+    if pool_bytes < block_bytes:
+        raise ValueError(f"block_size={block_size}: one block of {block_bytes:,} bytes is larger than the "
+                         f"{pool_bytes:,} bytes the KV pool has on {gpu}")
     return pool_bytes // block_bytes, block_bytes, pool_bytes
+
+
+MAX_ARRIVAL_S = 365 * 24 * 3600  # a trace longer than a year is a unit mistake (milliseconds read as seconds?)
 
 
 def _check_requests(requests, block_size: int) -> None:
@@ -283,6 +289,10 @@ def _check_requests(requests, block_size: int) -> None:
         if r.block_size is not None and r.block_size != block_size:
             raise ValueError(f"request {r.rid} was hashed in blocks of {r.block_size} tokens: simulate it with "
                              f"block_size={r.block_size}, not {block_size}")
+    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
+    if span > MAX_ARRIVAL_S:
+        raise ValueError(f"the requests arrive over {span:.3g} s, more than a year ({MAX_ARRIVAL_S:,} s): a unit "
+                         "mistake (milliseconds read as seconds?), and a replay whose costs would mean nothing")
 
 
 def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_format="bf16", *,

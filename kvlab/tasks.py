@@ -228,8 +228,8 @@ def variable_chain(tok, length: int, depth_spread: float, rng: random.Random, ho
     placed in random order at random depths within the first ``depth_spread``
     fraction of the haystack.
     """
-    if hops < 1:
-        raise ValueError(f"hops must be >= 1, got {hops}")
+    if not 1 <= hops < len(NAMES):
+        raise ValueError(f"hops must be from 1 to {len(NAMES) - 1} (one name a link), got {hops}")
     if not 0.0 < depth_spread <= 1.0:
         raise ValueError(f"depth_spread must be in (0, 1], got {depth_spread!r}")
     key = key or random_key(rng)

@@ -95,5 +95,8 @@ def _parse_line(line: str, path: Path, lineno: int, block_size: int) -> Request:
     if len(d["hash_ids"]) < full:
         raise ValueError(f"{path}:{lineno}: {len(d['hash_ids'])} hash_ids for {d['input_length']} tokens, fewer "
                          f"than its {full} full blocks of {block_size}: is block_size right? (Mooncake: 512)")
+    if len(d["hash_ids"]) > -(-d["input_length"] // block_size):  # one id a block, the last partial one included
+        raise ValueError(f"{path}:{lineno}: {len(d['hash_ids'])} hash_ids for {d['input_length']} tokens, more than "
+                         f"its {-(-d['input_length'] // block_size)} blocks of {block_size}: is block_size right?")
     return Request(d["timestamp"] / 1000.0, d["input_length"], d["output_length"],
                    [hash(("trace", h)) for h in d["hash_ids"][:full]], None, lineno, block_size)

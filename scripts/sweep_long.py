@@ -32,7 +32,7 @@ import platform
 import time
 from pathlib import Path
 
-from kvlab.paths import out_problem
+from kvlab.paths import out_problem, read_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,8 +79,12 @@ def main(argv=None):
         p.error("--lengths must be at least 64 tokens each")
     if why := out_problem(args.out):
         p.error(why)
-    if args.haystack_file is not None and not args.haystack_file.is_file():
-        p.error(f"--haystack-file {args.haystack_file} is not a readable file")
+    haystack_text = None
+    if args.haystack_file is not None:
+        try:
+            haystack_text = read_text(args.haystack_file, "--haystack-file")
+        except ValueError as e:
+            p.error(str(e))
 
     import torch
     import transformers
@@ -97,7 +101,7 @@ def main(argv=None):
     window = getattr(model.config, "max_position_embeddings", None)
     if window and max(lengths) > window:
         p.error(f"--lengths: {max(lengths)} tokens is past {args.model}'s {window}-token window")
-    text = args.haystack_file.read_text(encoding="utf-8") if args.haystack_file else tasks.corpus_text("all")
+    text = haystack_text or tasks.corpus_text("all")
     hay = tasks.prose_tokens(tok, text)
     if len(hay) < max(lengths):
         p.error(f"the haystack text has {len(hay)} tokens, fewer than {max(lengths)}")

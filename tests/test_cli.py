@@ -39,7 +39,9 @@ def run(argv):
     (["--model", "nope"], "neither a preset"),
     (["--kv-dtype", "int3"], "unknown KV format"),
     (["--batch", "0"], "--batch must be >= 1"),
-    (["--context", "-4"], "--context must be >= 0"),
+    (["--context", "-4"], "--context must be >= 1"),
+    (["--context", "0"], "--context must be >= 1"),
+    (["--batch", "9" * 20], "--batch must be <="),
     (["--batch", "two"], "--batch must be an integer"),
     (["--gpu", "TPU"], "unknown GPU"),
     (["--tp", "3"], "tp=3"),
@@ -100,7 +102,7 @@ def test_niah_haystack_file_and_chunked_prefill(tmp_path, capsys):
                  "--trials", "2", "--haystack-file", str(text), "--chunk", "64", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["meta"]["haystack"] == "text" and doc["rows"][0]["trials"] == 2
-    for bad, why in ((tmp_path / "missing.txt", "cannot read"), (tmp_path, "cannot read")):
+    for bad, why in ((tmp_path / "missing.txt", "no such file"), (tmp_path, "not a regular file")):
         assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--lengths", "256",
                      "--haystack-file", str(bad)]) == 2
         assert why in capsys.readouterr().err
@@ -205,3 +207,69 @@ def test_work_that_would_never_finish_is_refused_up_front(tmp_path, capsys):
     deep.write_text("[" * 100_000 + "]" * 100_000)
     assert main(["budget", "--model", str(deep), "--batch", "1", "--context", "8"]) == 2
     assert "too deeply" in capsys.readouterr().err
+
+
+def test_a_result_is_never_lost_to_a_full_disk(tmp_path, capsys, monkeypatch):
+    """--out on a full disk: one line naming the file, the result on stdout, exit 1; a temporary file is not
+    left behind; and a full standard output is one line too, not a traceback."""
+    import errno
+    import io
+
+    import kvlab.paths
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kvlab.paths.os, "replace", full)
+    out = tmp_path / "r.json"
+    rc = main(["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--lengths", "64", "--depths", "0.5",
+               "--trials", "1", "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 1 and "No space left on device" in cap.err and str(out) in cap.err and "Traceback" not in cap.err
+    assert json.loads(cap.out)["kv_format"] == "int8" and not list(tmp_path.iterdir())
+    monkeypatch.undo()
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["formats"]) == 1
+    assert "cannot write the output (No space left on device)" in capsys.readouterr().err
+
+
+def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
+    import os
+    import stat
+
+    from kvlab.paths import write_json
+
+    old = os.umask(0o022)
+    try:
+        write_json(tmp_path / "a.json", {"a": 1})
+        assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o644
+        (tmp_path / "a.json").chmod(0o640)
+        write_json(tmp_path / "a.json", {"a": 2})  # rewriting keeps the file's own mode
+        assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--haystack-file", "/dev/zero"], "not a regular file"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--haystack-file", "EMPTY"], "the file is empty"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--trials", "9" * 20], "--trials must be <="),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--task", "chain", "--hops", "200"], "--hops must be <="),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--retries", "1000000"], "--retries must be <="),
+    (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--host", "999.1.1.1"], "--host '999.1.1.1'"),
+    (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--port", "70000"], "--port must be <="),
+])
+def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
+    import time
+
+    (tmp_path / "empty.txt").write_text("  \n")
+    t = time.perf_counter()
+    assert run([str(tmp_path / "empty.txt") if a == "EMPTY" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err, err
+    assert time.perf_counter() - t < 5  # before any model loads

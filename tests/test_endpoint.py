@@ -616,3 +616,30 @@ def test_compare_is_the_library_call_and_an_interrupted_perplexity_keeps_the_lad
                     ppl_windows=1, progress=False)
     assert doc["perplexity"] == {s.url: None} and doc["perplexity_errors"] == {s.url: "interrupted"}
     assert sum(r["trials"] for r in doc["results"][s.url]["rows"]) == 2
+
+
+def test_redirects_501_and_html_error_pages_are_one_clear_line(stub):
+    """A redirect is named, not followed; 501 (never going to work) is not retried; an HTML error page is
+    reduced to its title, not twelve lines of markup."""
+    html = b"<html><head><title>Error response</title></head><body><h1>Error</h1><p>" + b"x" * 2000 + b"</p></body></html>"
+    page = stub(lambda n: (404, html))
+    with pytest.raises(E.EndpointError) as e:
+        E.Endpoint(page.url, model="stub").complete("hi")
+    assert str(e.value).endswith("HTTP 404: Error response") and "<" not in str(e.value)
+    never = stub(lambda n: (501, {"error": {"message": "not implemented"}}))
+    with pytest.raises(E.EndpointError, match="HTTP 501: not implemented"):
+        E.Endpoint(never.url, model="stub", retries=3, backoff=0.01).complete("hi")
+    assert never.count == 1
+    moved = stub(lambda n: (302, b""))
+    with pytest.raises(E.EndpointError, match="a redirect to .* not followed"):
+        E.Endpoint(moved.url, model="stub", retries=0).complete("hi")
+
+
+@given(st.text(alphabet=st.characters(blacklist_characters="/\r\n\t ", blacklist_categories=("Cs", "Cc")),
+               min_size=1, max_size=20))
+def test_no_part_of_a_password_reaches_a_message(secret):
+    """Credentials are refused, and the message masks everything up to the host, '@' in the password included."""
+    url = f"http://user:Zq{secret}Zq@hunter@127.0.0.1:1"
+    with pytest.raises(ValueError) as e:
+        E.Endpoint(url)
+    assert "hunter" not in str(e.value) and f"Zq{secret}Zq" not in str(e.value) and "***@127.0.0.1:1" in str(e.value)

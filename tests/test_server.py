@@ -61,7 +61,7 @@ def test_a_prompt_longer_than_the_context_could_hold_is_413_before_tokenizing(sr
 
 
 @pytest.mark.parametrize("body, status, why", [
-    ({"prompt": "x", "max_tokens": None}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ({"prompt": "x", "stop": ""}, 400, "stop"),
     ({"prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
     ({"prompt": "x", "top_p": 2}, 400, "top_p"),
@@ -125,6 +125,8 @@ def test_stop_strings_end_the_text_and_the_generation(srv):
     assert r["usage"]["completion_tokens"] < 24 and len(ch["logprobs"]["tokens"]) == r["usage"]["completion_tokens"]
     ok = _post(srv, {"prompt": "x", "max_tokens": 2, "top_p": 0.9, "seed": 7, "user": "u", "presence_penalty": 0})
     assert ok.status_code == 200
+    null = _post(srv, {"prompt": "x", "max_tokens": None})  # OpenAI's API: null means the default (16)
+    assert null.status_code == 200 and null.json()["usage"]["completion_tokens"] <= 16
 
 
 @pytest.mark.slow  # seconds of waiting: in make test, not make quick
@@ -254,9 +256,10 @@ def test_more_hostile_bodies_are_400(srv, raw, why):
 
 
 @pytest.mark.parametrize("value", ["\xb2", "1" * 5000, "+5", " 1e3"])
-def test_odd_content_length_values_are_400(srv, value):
+def test_odd_content_length_values_are_400_or_413(srv, value):
     head = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: " + value.encode("latin-1") + b"\r\n\r\n{}")
-    assert head.startswith(b"HTTP/1.0 400 "), head[:80]
+    want = b"HTTP/1.0 413 " if value.isascii() and value.isdigit() else b"HTTP/1.0 400 "  # a valid length, just far too large
+    assert head.startswith(want), head[:80]
 
 
 def test_the_http_layer_answers_in_json_and_other_methods_get_405(srv):
@@ -328,3 +331,22 @@ def test_smuggling_shapes_are_refused(srv):
 def test_tokenize_checks_what_it_takes(srv, body, match):
     r = _post(srv, body, path="/tokenize")
     assert r.status_code == 400 and match in r.json()["error"]["message"] and len(r.text) < 2000
+
+
+def test_a_huge_body_gets_its_413_and_leading_empty_lines_are_skipped(srv):
+    """A body over the limit is read and dropped, so a client that sends it all still reads the 413 (not a
+    reset); a 40-digit Content-Length is 413 too; empty lines before the request line are skipped (RFC 9112)."""
+    import socket
+
+    host, port = srv.host, srv.port
+    big = b"x" * (srv.max_body + 1)
+    with socket.create_connection((host, port), timeout=20) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(big) + big)
+        assert c.recv(4096).startswith(b"HTTP/1.0 413")
+    with socket.create_connection((host, port), timeout=20) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 40 + b"\r\n\r\n")
+        assert c.recv(4096).startswith(b"HTTP/1.0 413")
+    with socket.create_connection((host, port), timeout=20) as c:
+        c.sendall(b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert c.recv(4096).startswith(b"HTTP/1.0 200")

@@ -68,12 +68,19 @@ def test_trace_loader(tmp_path):
                     '{"timestamp": 2000, "input_length": 600, "output_length": 5, "hash_ids": [7, 10]}\n')
     reqs = S.load_trace(good)
     assert [len(r.prompt_hashes) for r in reqs] == [2, 1] and reqs[1].arrival == 2.0
+    far = tmp_path / "far.jsonl"  # epoch milliseconds are fine; a span of more than a year is a unit mistake
+    far.write_text('{"timestamp": 1700000000000, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]}\n'
+                   '{"timestamp": 1e308, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]}\n')
+    with pytest.raises(ValueError, match="more than a year"):
+        S.simulate(S.load_trace(far), "llama-3.1-8b", "H100-80GB", "bf16", block_size=512)
     res = S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=512)
     assert res.requests[1]["cached_tokens"] == 512
     for body, msg in [('{"timestamp": 0}', ":1: missing field 'input_length'"),
                       ("not json", ":1: not valid JSON"),
                       ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}', "hash_ids"),
-                      ('[1, 2]', "expected a JSON object")]:
+                      ('[1, 2]', "expected a JSON object"),
+                      ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2, 3]}',
+                       "more than its 1 blocks")]:
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}\n' + body + "\n")
         with pytest.raises(ValueError, match=msg.replace(":1:", ":2:")):
