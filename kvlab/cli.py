@@ -175,9 +175,6 @@ def _depth_list(text):
 
 
 def cmd_niah(args) -> int:
-    from . import evals
-    from .models import load_model
-
     if args.out and (why := out_problem(args.out)):
         print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
@@ -189,6 +186,9 @@ def cmd_niah(args) -> int:
     if args.kv_format is None:
         print("kvlab: error: --kv-format is required (or --endpoint URL to test a running server)", file=sys.stderr)
         return 2
+    from . import evals  # the model stack, after the cheap checks
+    from .models import load_model
+
     try:
         text = None
         if args.haystack_file is not None:
@@ -227,10 +227,7 @@ def cmd_niah(args) -> int:
 
 def cmd_niah_endpoint(args) -> int:
     """``kvlab niah --endpoint URL [--compare URL2]``: the ladder against running servers."""
-    from transformers import AutoTokenizer
-
     from . import endpoint as E
-    from .models import resolve
     from .paths import write_json
 
     if args.kv_format is not None:
@@ -258,6 +255,11 @@ def cmd_niah_endpoint(args) -> int:
         if len({e.url for e in eps}) < len(eps):
             raise ValueError("--endpoint and --compare are the same server")
         name = args.tokenizer or args.model
+        # after every argument check: the model stack takes seconds to import
+        from transformers import AutoTokenizer
+
+        from .models import resolve
+
         try:
             tok = AutoTokenizer.from_pretrained(resolve(name))
         except (OSError, ValueError) as e:
