@@ -602,11 +602,11 @@ def test_an_api_key_with_spaces_is_refused_without_echoing_it():
         assert "SECRET" not in str(e.value)
 
 
-def test_compare_is_the_library_call_and_an_interrupted_perplexity_keeps_the_ladder(stub, tmp_path, monkeypatch, smollm2):
+def test_compare_is_the_library_call_and_an_interrupted_perplexity_keeps_the_ladder(stub, tmp_path, monkeypatch, shipped):
     """endpoint.compare is what the CLI and scripts/compare_engines.py run: the ladder, side by side, and the
     perplexity rung recorded beside it; Ctrl-C during that rung returns the whole ladder, marked interrupted."""
     s = stub(lambda n: (200, _completion()))
-    _, tok = smollm2
+    _, tok = shipped
 
     def ctrl_c(*a, **k):
         raise KeyboardInterrupt
