@@ -575,7 +575,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     ladder_values, ladder_claims = _smollm2_ladder()
     values |= ladder_values
     values["q"] = _refuse_to_skip([values[k] for k in keys])
-    held_low = [(values[k]["name"], f) for k in keys for f in values[k]["never"] if _low_bit(f)]
+    # never worse on the needle: in the filler haystack, and in prose where the format ran there
+    held_low = [(values[k]["name"], f) for k in keys for f in values[k]["never"]
+                if _low_bit(f) and not values[k]["prose"]["by"].get(f, {}).get("worse_at")]
     alarms = [(n, f) for n, f in held_low if not values[CH4_KEYS[next(m for m in sweeps if CH4_NAMES.get(m) == n)]]["by"][f]["ppl_ok"]]
     values |= {"n_held_low": len(held_low), "n_alarms": len(alarms),
                "alarms_md": "; ".join(f"`{f}` on {n}" for n, f in alarms) or "none",
@@ -622,6 +624,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             for f in m["grows_common"]) or "none"
         m["grows_names_md"] = names_md(m["grows_common"], empty="no format")
         m["lost_md"] = {f: ", ".join(str(x) for x in xs) for f, xs in lost.items()}
+        m["prose_status"] = {f: m["prose"]["status"].get(f, "not run in prose") for f in m["by"]}
         m["single_cell"] = [f for f, r in m["by"].items() if len(r["worse_at"]) == 1]
         m["single_cell_md"] = ", ".join(f"`{f}` ({_k(m['by'][f]['worse_at'][0])})" for f in m["single_cell"]) or "none"
         m["longest_grow_k"] = _k(m["lengths"][max(m["grows_to"].values(), default=len(upto)) - 1])
@@ -702,6 +705,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
         "one scale per tensor was worse on both models": _claim(all(m["by"]["int4_tensor"]["worse_at"] for m in both)),
         "no format is trapped on either model": _claim(all(not m["trap"] for m in both), {m["name"]: m["trap"] for m in both}),
+        "on SmolLM2 prose catches per-token INT4 (with and without sinks), never worse in filler; perplexity flagged both":
+            _claim(S is None or all(f in S["prose"]["later"] and f in S["never"] and f in S["ppl_flags"]
+                                    for f in ("int4_token", "int4_token+sinks4")), S and S["prose"]["later"]),
+        "no format is trapped in the prose haystack either":
+            _claim(all(not m["prose"]["trap"] for m in both), {m["name"]: m["prose"]["trap"] for m in both}),
         "a bar looser than the first short-needle passer's perplexity increase would let the trap appear":
             _claim(values["trap_at"] is not None and values["trap_at"] > PPL_TOLERANCE, later_ppl[:2]),
         "on both models perplexity flagged every format that passed the short needle and lost a longer one":
