@@ -353,6 +353,7 @@ def test_budget_and_serve_sim_on_presets_import_no_model_stack():
     assert out.strip().splitlines()[-1] == "LOADED []"
 
 
+@pytest.mark.slow  # 25 bisections over real presets: seconds, in make test only
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from(["kivi-2", "kivi-4", "int4", "fp8"]), st.integers(1, 64), st.sampled_from(["L4", "A100-80GB"]))
 def test_max_context_fits_at_every_length_on_the_way(fmt, batch, gpu):

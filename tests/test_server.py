@@ -333,6 +333,7 @@ def test_tokenize_checks_what_it_takes(srv, body, match):
     assert r.status_code == 400 and match in r.json()["error"]["message"] and len(r.text) < 2000
 
 
+@pytest.mark.slow  # sends a body past the limit: in make test, not make quick
 def test_a_huge_body_gets_its_413_and_leading_empty_lines_are_skipped(srv):
     """A body over the limit is read and dropped, so a client that sends it all still reads the 413 (not a
     reset); a 40-digit Content-Length is 413 too; empty lines before the request line are skipped (RFC 9112)."""
