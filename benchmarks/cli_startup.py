@@ -34,6 +34,8 @@ COMMANDS = {
     "kvlab serve-sim (missing trace)": ["-m", "kvlab", "serve-sim", "--trace", "/nonexistent.jsonl"],
     "kvlab budget (bad --batch)": ["-m", "kvlab", "budget", "--model", "llama-3.1-8b", "--batch", "-1",
                                    "--context", "8"],
+    "kvlab niah (bad --endpoint URL)": ["-m", "kvlab", "niah", "--endpoint", "ftp://host", "--lengths", "64"],
+    "kvlab serve (bad --host)": ["-m", "kvlab", "serve", "--kv-format", "int8", "--host", "999.1.1.1"],
 }
 
 

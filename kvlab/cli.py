@@ -333,12 +333,11 @@ def _listen_problem(host: str, port: int) -> str | None:
 
 
 def cmd_serve(args) -> int:
-    from .models import load_model
-    from .server import CompletionServer
-
     if why := _listen_problem(args.host, args.port):
         print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
+    from .models import load_model  # the model stack, after the cheap checks
+    from .server import CompletionServer
     try:
         model, tok = load_model(args.model)
         srv = CompletionServer(model, tok, args.kv_format, name=args.name, host=args.host, port=args.port,
