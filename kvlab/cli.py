@@ -78,6 +78,8 @@ def _human(n: float) -> str:
 
 def cmd_budget(args) -> int:
     try:
+        if args.gpu:
+            B.get_gpu(args.gpu)  # before the model's config: a folder config may take seconds to read
         b = B.budget(args.model, args.batch, args.context, args.kv_dtype, tp=args.tp, block_size=args.block_size)
         out = {
             "model": b.model, "kv_dtype": b.kv_format, "batch": b.batch, "context": b.context,
