@@ -31,6 +31,7 @@ from .formats import get_format
 MAX_LOGPROBS = 20
 SOCKET_TIMEOUT_S = 30.0  # a client that sends nothing for this long is dropped (a half-sent request cannot pin a thread)
 REQUEST_DEADLINE_S = 60.0  # and one that drips its request must have sent all of it by then
+MAX_LOGPROB_ENTRIES = 100_000  # log-probabilities one answer may carry (echo x logprobs): ~10 MB of JSON at most
 DRAIN_BYTES = 64 * 2**20  # of a refused (too large) body, read and dropped so the client sees the 413
 MAX_CONNECTIONS = 64  # connections handled at once; more get 503 at once instead of a thread each
 MAX_JSON_DEPTH = 32  # deeper JSON is refused before parsing (Python's parser would recurse into it)
@@ -454,6 +455,8 @@ class CompletionServer:
             raise RequestError(400, "/tokenize takes one text: {'prompt': text} (vLLM) or {'content': text} (llama.cpp)")
         if not isinstance(body.get("model", ""), str):
             raise RequestError(400, "'model' must be a string")
+        if body.get("model") not in (None, self.name):  # as /v1/completions answers
+            raise RequestError(404, f"model {str(body['model'])[:80]!r} does not exist; this server serves {self.name!r}")
         special = body.get("add_special_tokens", False)
         if not isinstance(special, bool):
             raise RequestError(400, "'add_special_tokens' must be true or false")
@@ -510,6 +513,11 @@ class CompletionServer:
         if len(ids) + max_new > self.max_context:
             raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds the "
                                     f"model's context of {self.max_context}")
+        entries = (len(ids) * echo + max_new) * ((k or 0) + 1) if k is not None else 0
+        if entries > MAX_LOGPROB_ENTRIES:  # one request must not hold the model for a minute and answer megabytes
+            raise RequestError(400, f"this request would return {entries:,} log-probabilities ("
+                                    f"{'prompt + ' if echo else ''}{max_new} new tokens x {k} alternatives); at most "
+                                    f"{MAX_LOGPROB_ENTRIES:,}: lower 'logprobs' or send a shorter prompt")
         with self._lock, torch.no_grad():
             if gone is not None and gone():
                 raise ClientGone

@@ -351,3 +351,19 @@ def test_a_huge_body_gets_its_413_and_leading_empty_lines_are_skipped(srv):
     with socket.create_connection((host, port), timeout=20) as c:
         c.sendall(b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert c.recv(4096).startswith(b"HTTP/1.0 200")
+
+
+def test_tokenize_names_the_model_as_completions_does_and_huge_logprob_answers_are_refused(srv):
+    r = _post(srv, {"prompt": "hello", "model": "gpt-4"}, path="/tokenize")
+    assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
+    assert _post(srv, {"prompt": "hello", "model": "tiny"}, path="/tokenize").status_code == 200
+    ids = list(range(5, 205))  # 200 prompt tokens x 20 alternatives, echoed: 4,200 entries, allowed
+    ok = _post(srv, {"prompt": ids, "max_tokens": 1, "logprobs": 20, "echo": True})
+    assert ok.status_code == 200, ok.text
+    monkey = S.MAX_LOGPROB_ENTRIES
+    try:
+        S.MAX_LOGPROB_ENTRIES = 1000
+        r = _post(srv, {"prompt": ids, "max_tokens": 1, "logprobs": 20, "echo": True})
+        assert r.status_code == 400 and "log-probabilities" in r.json()["error"]["message"]
+    finally:
+        S.MAX_LOGPROB_ENTRIES = monkey
