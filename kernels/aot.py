@@ -122,9 +122,8 @@ def preset_variants() -> list[Variant]:
             for hd in HEAD_DIMS:
                 if q.granularity == "group" and q.group_axis == "channel" and hd % q.group_size:
                     continue
-                v = layout_variant(Layout(q, hd))
                 for k in ["split"] + ([] if q.full_range else ["append"]):
-                    v = replace(v, kernel=k)
+                    v = layout_variant(Layout(q, hd), k)
                     found.setdefault(spec_key(v), (v, []))[1].append(name)
     return [replace(v, name=f"{v.kernel} {'/'.join(dict.fromkeys(names))} (head_dim {v.head_dim})")
             for v, names in found.values()]

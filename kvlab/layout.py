@@ -201,23 +201,25 @@ class Layout:
         return batch * heads * (tokens * self.code_bytes + grown) + self.frozen_bytes(batch, heads)
 
     # ------------------------------------------------------------------ kernels
-    @property
-    def unreadable(self) -> str | None:
-        """Why the kernels cannot read this layout (format or shape), or None."""
-        why = kernel_unreadable(self.quantizer)
-        if why is None and not kernel_head_dim_ok(self.head_dim):
-            why = f"head_dim={self.head_dim}: the kernels need a power of two of at least 16"
-        return why
-
-    @property
-    def kind(self) -> Kind | None:
-        """The kernels' element kind (natively converted FP8), or None for a format they do not read."""
+    def _kernel_spec(self) -> tuple[Kind, ScaleMode] | None:
+        """The kernels' element kind (natively converted FP8) and scale mode, or None for a format they do not read."""
         q = self.quantizer
         if kernel_unreadable(q):
             return None
         if q.is_passthrough:
-            return Kind.FLOAT
-        return Kind.FP8 if q.kind == "fp8" else Kind.INT8 if q.bits == 8 else Kind.INT4
+            return Kind.FLOAT, ScaleMode.NONE
+        kind = Kind.FP8 if q.kind == "fp8" else Kind.INT8 if q.bits == 8 else Kind.INT4
+        return kind, ScaleMode.TENSOR if q.granularity == "tensor" else ScaleMode.TOKEN
+
+    @property
+    def kind(self) -> Kind | None:
+        spec = self._kernel_spec()
+        return spec and spec[0]
+
+    @property
+    def scale_mode(self) -> ScaleMode | None:
+        spec = self._kernel_spec()
+        return spec and spec[1]
 
     def kernel_kind(self, fp8_as_bytes: bool = False) -> Kind:
         """:attr:`kind`, with FP8 read as bytes where the GPU has no FP8 conversions."""
@@ -227,15 +229,6 @@ class Layout:
         if kind is Kind.FP8 and fp8_as_bytes:
             return Kind.FP8_E4M3_BYTES if self.quantizer.element == "float8_e4m3fn" else Kind.FP8_E5M2_BYTES
         return kind
-
-    @property
-    def scale_mode(self) -> ScaleMode | None:
-        q = self.quantizer
-        if kernel_unreadable(q):
-            return None
-        if q.is_passthrough:
-            return ScaleMode.NONE
-        return ScaleMode.TENSOR if q.granularity == "tensor" else ScaleMode.TOKEN
 
     @property
     def kernel_symmetric(self) -> bool:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvlab import budget as B
 from kvlab.formats import Quantizer, format_names, get_format
-from kvlab.layout import Kind, Layout, ScaleMode, kernel_readable
+from kvlab.layout import Kind, Layout, ScaleMode, kernel_readable, kernel_unreadable
 from kvlab.storage import KVStore
 
 # Bits per value published for the engines' own block formats (scales included):
@@ -28,7 +28,7 @@ def test_bits_per_value_match_the_published_block_sizes(name):
 def test_kivi_key_groups_run_along_tokens():
     lay = Layout(get_format("kivi-2").key, 128)
     assert (lay.token_group, lay.n_groups, lay.bits_per_element) == (32, 128, 3.0)
-    assert lay.kind is None and lay.scale_mode is None and "token" in lay.unreadable
+    assert lay.kind is None and lay.scale_mode is None and "token" in kernel_unreadable(lay.quantizer)
 
 
 def _stores(head_dim):
@@ -88,10 +88,9 @@ def test_kernel_constants_name_the_enums():
         Layout(get_format("nvfp4").key, 64).kernel_constants()
 
 
-def test_readable_layouts_and_the_head_dim_rule():
-    assert Layout(get_format("int8").key, 96).unreadable.startswith("head_dim=96")
-    assert Layout(get_format("int8").key, 128).unreadable is None
-    assert all(Layout(q, 128).kind is None for _, q in _stores(128) if not kernel_readable(q))
+def test_only_readable_layouts_have_a_kernel_kind():
+    assert all((Layout(q, 128).kind is None) == (not kernel_readable(q)) for _, q in _stores(128))
+    assert all((Layout(q, 128).scale_mode is None) == (not kernel_readable(q)) for _, q in _stores(128))
 
 
 @given(st.one_of(st.integers(max_value=0), st.booleans(), st.floats(), st.text(max_size=3)))
