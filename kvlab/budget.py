@@ -215,7 +215,28 @@ def _plain_config(d: dict):
     return SimpleNamespace(**_check_stated(d))
 
 
+# What a config must state, under these names, for transformers to have nothing to derive that the shape
+# reads: a missing head_dim is 256 for Gemma but hidden/heads for Llama, and a sliding_window without
+# layer_types becomes a per-layer pattern for Gemma 2/3 and Qwen 2 (max_window_layers, use_sliding_window).
+_FULLY_STATED = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _states_its_shape(d: dict) -> bool:
+    if any(not isinstance(d.get(k), int) or isinstance(d.get(k), bool) for k in _FULLY_STATED):
+        return False
+    windowed = any(d.get(k) not in (None, False) for k in ("sliding_window", "use_sliding_window"))
+    return not windowed or isinstance(d.get("layer_types"), list)
+
+
 def _config_from_dict(d: dict):
+    """A config dict as the attributes the shape reads: as written where it states its whole shape (no
+    transformers import: `kvlab budget` on a folder answers at once), else through transformers' config class."""
+    d = _check_stated(d)
+    return _plain_config(d) if _states_its_shape(d) else _hf_config(d)
+
+
+def _hf_config(d: dict):
+    """A config dict through transformers' config class for its ``model_type`` (which fills in derived fields)."""
     from transformers import AutoConfig, PretrainedConfig
 
     d = _check_stated(d)

@@ -260,10 +260,11 @@ def cmd_niah_endpoint(args) -> int:
         # after every argument check: the model stack takes seconds to import
         from transformers import AutoTokenizer
 
-        from .models import resolve
+        from .models import reachable, resolve
 
         try:
-            tok = AutoTokenizer.from_pretrained(resolve(name))
+            reachable(src := resolve(name))
+            tok = AutoTokenizer.from_pretrained(src)
         except (OSError, ValueError) as e:
             raise ValueError(f"--tokenizer {name}: could not load it ({str(e).splitlines()[0]})") from None
         t0 = time.perf_counter()

@@ -181,6 +181,36 @@ def resolve(name_or_path: str | Path | None) -> str | Path:
     return name_or_path
 
 
+def reachable(src: str | Path) -> None:
+    """Raise a one-line ``ValueError`` unless ``src`` is a folder, a hub id in the local cache, or a hub id the
+    hub says exists. The hub client retries an unreachable host for about a minute (five times, with back-off)
+    before it fails; one metadata request without retries answers in a second."""
+    if isinstance(src, Path) or Path(src).exists():
+        return
+    import huggingface_hub as hub
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    try:
+        if isinstance(hub.try_to_load_from_cache(str(src), "config.json"), str):
+            return  # downloaded before: from_pretrained reads it from the cache
+    except HFValidationError as e:
+        raise ValueError(f"could not load model {str(src)!r}: not a folder, a kvlab model "
+                         f"({', '.join(SHIPPED)}) or a Hugging Face id ({str(e).splitlines()[0]})") from None
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ValueError(f"could not load model {str(src)!r}: not a folder or a kvlab model ({', '.join(SHIPPED)}), "
+                         "and HF_HUB_OFFLINE is set while the Hugging Face cache does not hold it")
+    try:
+        hub.model_info(str(src), timeout=10)
+    except RepositoryNotFoundError:
+        raise ValueError(f"could not load model {str(src)!r}: no such model on the Hugging Face hub (or it is "
+                         f"private or gated and no token is set), and it is not a folder or a kvlab model "
+                         f"({', '.join(SHIPPED)})") from None
+    except Exception as e:  # no network: DNS, refused, timeout, proxy (httpx's and requests' error types vary)
+        raise ValueError(f"could not load model {str(src)!r}: not a folder or a kvlab model ({', '.join(SHIPPED)}), "
+                         f"and the Hugging Face hub could not be reached to fetch it ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -196,6 +226,7 @@ def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = t
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
     src = resolve(name_or_path)
+    reachable(src)
     folder = Path(src)
     if folder.is_dir() and not any((folder / f).exists() for f in _TOKENIZER_FILES):
         raise ValueError(f"could not load model {str(src)!r}: the folder has no tokenizer "

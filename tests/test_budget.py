@@ -337,8 +337,40 @@ def test_a_preset_reads_the_same_without_transformers(name):
     """Presets are read as written (no transformers import); transformers must read each to the same shapes."""
     doc = json.loads((B.PRESETS / "models" / f"{name}.json").read_text())
     fast = B.shape_from_config(B._plain_config(doc["config"]), name)
-    assert fast == B.shape_from_config(B._config_from_dict(doc["config"]), name)
+    assert fast == B.shape_from_config(B._hf_config(doc["config"]), name)
     assert B.load_shape(name).layers == fast.layers
+
+
+def test_a_config_file_that_states_its_shape_is_read_without_transformers():
+    """kvlab-tiny's config.json states every size the shape reads, so `budget` reads it as written; transformers
+    must agree. Configs that leave something to derive go through transformers (Gemma's head_dim default, Qwen 2's
+    sliding layers)."""
+    doc = json.loads((B.DATA / "model" / "config.json").read_text())
+    assert B._states_its_shape(doc)
+    assert B.shape_from_config(B._config_from_dict(doc)) == B.shape_from_config(B._hf_config(doc))
+    gemma = {"model_type": "gemma", "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 1,
+             "hidden_size": 2048}  # no head_dim: transformers' Gemma default is 256, not 2048 / 8
+    assert not B._states_its_shape(gemma)
+    assert B.shape_from_config(B._config_from_dict(gemma)).layers[0].head_dim == 256
+    qwen = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 64, "hidden_size": 256, "sliding_window": 128, "use_sliding_window": False}
+    assert not B._states_its_shape(qwen)  # transformers decides which layers slide (here: none)
+    assert [s.window for s in B.shape_from_config(B._config_from_dict(qwen)).layers] == [None] * 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(layers=st.integers(1, 6), kv=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from([32, 64, 128, 256]), window=st.one_of(st.none(), st.integers(16, 4096)),
+       pattern=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_a_fully_stated_config_reads_as_transformers_reads_it(layers, kv, group, head_dim, window, pattern):
+    d = {"model_type": "llama", "num_hidden_layers": layers, "num_attention_heads": kv * group,
+         "num_key_value_heads": kv, "head_dim": head_dim, "hidden_size": 64 * kv * group,
+         "max_position_embeddings": 8192}
+    if window is not None:
+        d["sliding_window"] = window
+        d["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern[:layers]]
+    assert B._states_its_shape(d)
+    assert B.shape_from_config(B._config_from_dict(d)) == B.shape_from_config(B._hf_config(d))
 
 
 def test_budget_and_serve_sim_on_presets_import_no_model_stack():

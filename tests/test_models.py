@@ -60,6 +60,43 @@ def test_two_processes_convert_at_once(tmp_path):
     assert (dest / "model.safetensors").stat().st_size > 500e6 and (dest / "tokenizer.json").exists()
 
 
+def test_an_unreachable_hub_name_fails_at_once(monkeypatch, tmp_path):
+    """The hub client retries an unreachable host for about a minute; kvlab asks once and says why it failed."""
+    import time
+
+    import huggingface_hub as hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing downloaded before
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    asked = []
+
+    def offline(repo, timeout=None):
+        asked.append((repo, timeout))
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    with pytest.raises(ValueError, match="not a folder, a kvlab model .* or a Hugging Face id"):
+        models.load_model("a/b/c")  # not even an id: the cache lookup says so
+    monkeypatch.setattr(hub, "try_to_load_from_cache", lambda repo, name: None)
+    monkeypatch.setattr(hub, "model_info", offline)
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"'someone/no-such-model'.*hub could not be reached.*Name or service"):
+        models.load_model("someone/no-such-model")
+    assert time.perf_counter() - t < 5 and asked == [("someone/no-such-model", 10)]
+
+    def missing(repo, timeout=None):
+        import httpx
+
+        raise RepositoryNotFoundError("404", response=httpx.Response(404, request=httpx.Request("GET", "https://x")))
+
+    monkeypatch.setattr(hub, "model_info", missing)
+    with pytest.raises(ValueError, match="no such model on the Hugging Face hub"):
+        models.load_model("someone/no-such-model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
+        models.load_model("someone/no-such-model")
+
+
 def test_a_folder_without_a_tokenizer_says_so(tmp_path):
     import shutil
 
