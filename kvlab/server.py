@@ -159,12 +159,14 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self):
         super().setup()
         self.read_done = False  # set once the whole request is read; a client that drips it is cut off
+        self.server.reading(self)
         self._deadline = threading.Timer(REQUEST_DEADLINE_S, self._too_slow)
         self._deadline.daemon = True
         self._deadline.start()
 
     def finish(self):
         self._deadline.cancel()
+        self.server.read(self)
         try:
             super().finish()
         except OSError:  # the client is gone: nothing left to flush to
@@ -177,13 +179,26 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _timed_out(self):
         """408 straight onto the socket: the request was not all sent in time (the handler may be blocked reading)."""
+        self._answer_early(_raw_error(408, "Request Timeout", "the request was not sent in time"))
+
+    def _answer_early(self, raw: bytes):
         if getattr(self, "_answered_timeout", False):
             return
         self._answered_timeout = True
         try:
-            self.connection.sendall(_raw_error(408, "Request Timeout", "the request was not sent in time"))
+            self.connection.sendall(raw)
         except OSError:
             pass
+
+    def evict(self):
+        """Make room for a new connection: this one has not sent its whole request and the server is full."""
+        self._answer_early(_raw_error(503, "Service Unavailable", "the server is at its connection limit and "
+                                      "this connection had not sent its request; retry", b"Retry-After: 1\r\n"))
+        self._shut()
+
+    def _have_read(self):
+        self.read_done = True
+        self.server.read(self)
 
     def log_error(self, format, *args):
         # http.server reports a socket timeout while reading a request here, and sends nothing: answer it
@@ -229,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         srv = self.server.kvlab
-        self.read_done = True
+        self._have_read()
         if self.path == "/health":
             return self._send(200, {"status": "ok"})
         if self.path == "/v1/models":
@@ -269,7 +284,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(n)
         if len(raw) < n:
             raise RequestError(400, f"the request body ended after {len(raw)} of {n} bytes")
-        self.read_done = True
+        self._have_read()
         try:
             text = raw.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); the depth scan reads the same text
         except UnicodeDecodeError as e:
@@ -334,9 +349,32 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._reading: dict = {}  # handler -> when it started reading; until its whole request is read
+        self._lock = threading.Lock()
+
+    def reading(self, handler):
+        with self._lock:
+            self._reading[handler] = time.monotonic()
+
+    def read(self, handler):
+        with self._lock:
+            self._reading.pop(handler, None)
+
+    def _evict_oldest_reader(self) -> bool:
+        """Free a slot held by a connection that has not sent its request (an idle or dripping client: with
+        every slot taken by those, no client could be served until their socket timeouts); a connection whose
+        request is being answered is never evicted."""
+        with self._lock:
+            if not self._reading:
+                return False
+            oldest = min(self._reading, key=self._reading.get)
+            del self._reading[oldest]
+        oldest.evict()
+        return True
 
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not (
+                self._evict_oldest_reader() and self._slots.acquire(timeout=2.0)):
             try:
                 request.sendall(_raw_error(503, "Service Unavailable", "too many connections; retry", b"Retry-After: 1\r\n"))
             except OSError:

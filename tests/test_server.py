@@ -115,6 +115,27 @@ def test_an_idle_connection_is_dropped(srv, monkeypatch):
         assert time.time() - t0 < 5
 
 
+def test_idle_connections_cannot_lock_out_a_real_client(shipped, monkeypatch):
+    """Every slot held by clients that connect and send nothing: a real request is still served at once, and the
+    oldest idle connection is told why it was dropped (not a 503 for everyone until the socket timeouts)."""
+    monkeypatch.setattr(S, "MAX_CONNECTIONS", 4)
+    model, tok = shipped
+    with S.CompletionServer(model, tok, "int8", name="tiny", max_context=256).start() as small:
+        idle = [socket.create_connection((small.host, small.port), timeout=10) for _ in range(4)]
+        try:
+            time.sleep(0.3)  # all four handed to their threads, each waiting for a request line
+            t0 = time.time()
+            assert httpx.get(small.url + "/health", timeout=10).status_code == 200
+            assert time.time() - t0 < 3
+            out = b""
+            while chunk := idle[0].recv(4096):
+                out += chunk
+            assert out.startswith(b"HTTP/1.0 503 ") and b"connection limit" in out
+        finally:
+            for c in idle:
+                c.close()
+
+
 def test_stop_strings_end_the_text_and_the_generation(srv):
     base = _post(srv, {"prompt": "The cat sat on the", "max_tokens": 24}).json()["choices"][0]
     assert base["finish_reason"] == "length" and len(base["text"]) > 4
