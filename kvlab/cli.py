@@ -154,7 +154,7 @@ def cmd_formats(args) -> int:
 def _int_list(name):
     def parse(text):
         try:
-            vals = [int(x) for x in text.split(",") if x.strip()]
+            vals = [int(x) for x in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
         if not vals or min(vals) < 1:
@@ -168,7 +168,7 @@ def _int_list(name):
 
 def _depth_list(text):
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        vals = [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--depths must be comma-separated numbers, got {text!r}") from None
     if not vals or any(not 0 <= v <= 1 for v in vals):
@@ -176,27 +176,39 @@ def _depth_list(text):
     return vals
 
 
+# niah's flags that only a run against servers reads, and their defaults (set to anything else without
+# --endpoint, they would be silently ignored)
+_ENDPOINT_ONLY = {"compare": None, "tokenizer": None, "endpoint_model": None, "concurrency": 4, "timeout": 120.0,
+                  "retries": 3, "backoff": 0.5, "max_tokens": 12, "top_logprobs": 5, "ppl_windows": 0}
+
+
 def cmd_niah(args) -> int:
-    if args.out and (why := out_problem(args.out)):
+    if args.out is not None and (why := out_problem(args.out)):
         print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
-    if args.endpoint:
+    if args.endpoint is not None:
         return cmd_niah_endpoint(args)
-    if args.compare:
-        print("kvlab: error: --compare needs --endpoint (the teacher)", file=sys.stderr)
-        return 2
+    for key, default in _ENDPOINT_ONLY.items():
+        if getattr(args, key) != default:
+            flag = "--" + key.replace("_", "-")
+            print(f"kvlab: error: {flag} is for a run against a server: it needs --endpoint URL", file=sys.stderr)
+            return 2
     if args.kv_format is None:
         print("kvlab: error: --kv-format is required (or --endpoint URL to test a running server)", file=sys.stderr)
         return 2
-    from . import evals  # the model stack, after the cheap checks
-    from .models import load_model
-
     try:
         text = None
         if args.haystack_file is not None:
             if args.task != "passkey":
                 raise ValueError("--haystack-file is for the passkey task")
             text = read_text(args.haystack_file, "--haystack-file")
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"kvlab: error: {e}", file=sys.stderr)
+        return 2
+    from . import evals  # the model stack, after the cheap checks
+    from .models import load_model
+
+    try:
         model, tok = load_model(args.model)
         if args.task == "passkey":
             res = evals.passkey_sweep(model, tok, args.kv_format, args.lengths, args.depths, args.trials,
@@ -493,6 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    if sys.stdout is None:  # started with standard output closed (`kvlab ... >&-`): nowhere to put a result
+        if sys.stderr is not None:
+            print("kvlab: error: standard output is closed", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         rc = args.func(args)

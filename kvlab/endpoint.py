@@ -75,7 +75,8 @@ def base_url(url: str) -> str:
     """``http(s)://host[:port][/prefix]`` without a trailing ``/v1``; raises ``ValueError`` if it is not a URL.
     Messages never repeat credentials: a URL carrying any is refused before anything else is checked."""
     if not isinstance(url, str) or not url.strip():
-        raise ValueError(f"endpoint URL must be a non-empty string, got {type(url).__name__}")
+        got = repr(url) if isinstance(url, str) else type(url).__name__
+        raise ValueError(f"endpoint URL must be a non-empty string, got {got}")
     shown = _redacted(url)
     if "@" in url.split("//", 1)[-1].split("/", 1)[0]:  # it would be written into the journal and --out
         raise ValueError(f"endpoint URL {shown!r} must not carry credentials (user:password@); set OPENAI_API_KEY "

@@ -19,6 +19,8 @@ def out_problem(path: str | Path, flag: str = "--out") -> str | None:
     Refused: a directory, a missing folder, anything that exists but is not a regular file (a device
     such as /dev/null would be replaced by the atomic rename), and a file or folder we may not write.
     """
+    if not str(path).strip():
+        return f"{flag} is empty"
     out = Path(path)
     if out.is_dir():
         return f"{flag} {path}: is a directory"

@@ -238,6 +238,14 @@ def test_a_result_is_never_lost_to_a_full_disk(tmp_path, capsys, monkeypatch):
     assert "cannot write the output (No space left on device)" in capsys.readouterr().err
 
 
+def test_a_closed_standard_output_is_one_line_not_a_traceback():
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "kvlab", "formats"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True, preexec_fn=lambda: __import__("os").close(1), timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == "kvlab: error: standard output is closed", p.stderr
+
+
 def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     import os
     import stat
@@ -263,6 +271,12 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["niah", "--endpoint", "http://127.0.0.1:1", "--retries", "1000000"], "--retries must be <="),
     (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--host", "999.1.1.1"], "--host '999.1.1.1'"),
     (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--port", "70000"], "--port must be <="),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--lengths", "64,,128"], "comma-separated integers"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--depths", "0,,1"], "comma-separated numbers"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--out", ""], "--out is empty"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--tokenizer", "x"], "--tokenizer is for a run against"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--max-tokens", "5"], "--max-tokens is for a run"),
+    (["niah", "--endpoint", "", "--lengths", "64"], "endpoint URL must be a non-empty string, got ''"),
 ])
 def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
     import time
