@@ -282,7 +282,7 @@ def test_cli_niah_endpoint_errors(capsys, tmp_path):
     assert main(["niah", "--endpoint", "localhost:1", "--model", "kvlab-tiny"]) == 2
     assert "http://" in capsys.readouterr().err
     assert main(["niah", "--compare", "http://h"]) == 2
-    assert "--compare needs --endpoint" in capsys.readouterr().err
+    assert "--compare is for a run against a server: it needs --endpoint" in capsys.readouterr().err
     assert main(["niah", "--endpoint", "http://h", "--kv-format", "int4"]) == 2
     assert "server's flag decides" in capsys.readouterr().err
     assert main(["niah"]) == 2
