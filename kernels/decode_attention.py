@@ -45,6 +45,7 @@ if not HAVE_TRITON:
 from kvlab.layout import Kind, ScaleMode
 from kvlab.storage import KVStore, kernel_args
 
+from .packing import int4_codes
 from .reference import decode_attention_reference  # noqa: F401  (re-exported beside the kernel)
 
 # kvlab.layout's kinds and scale modes as compile-time constants the jit functions can read
@@ -85,9 +86,8 @@ def _load_tile(codes_ptr, scale_ptr, zero_ptr, base_row, offs_n, offs_d, mask_n,
     KIND and SCALE_MODE: :class:`kvlab.layout.Kind` and :class:`kvlab.layout.ScaleMode`.
     """
     rows = base_row + offs_n  # token index inside this (batch, head)
-    if KIND == INT4:  # two codes per byte, element 2i in the low nibble
-        byte = tl.load(codes_ptr + rows[:, None] * stride_t + (offs_d // 2)[None, :], mask=mask_n[:, None])
-        x = ((byte >> ((offs_d % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+    if KIND == INT4:  # two codes per byte (kernels.packing: kvlab.layout's nibble order)
+        x = int4_codes(codes_ptr, rows, offs_d, stride_t, mask_n).to(tl.float32)
     else:
         raw = tl.load(codes_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=mask_n[:, None])
         if KIND == E4M3_BYTES or KIND == E5M2_BYTES:

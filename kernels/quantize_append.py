@@ -30,6 +30,8 @@ from . import HAVE_TRITON, tl, triton
 if not HAVE_TRITON:
     raise ImportError("triton is not installed: the append kernel is unavailable")
 
+from .packing import pack_int4  # noqa: E402  (after the check above, which names this kernel)
+
 # kvlab.layout's kinds and scale modes as compile-time constants the jit function can read
 FLOAT: tl.constexpr = tl.constexpr(int(Kind.FLOAT))
 FP8: tl.constexpr = tl.constexpr(int(Kind.FP8))
@@ -111,9 +113,8 @@ def _append_kernel(X, CODES, SCALE, ZERO, POS,
             q = tl.reshape(q, (HEAD_DIM,)).to(tl.uint8)
             if KIND == INT8:
                 tl.store(c_base + offs, q)
-            else:  # two codes per byte, element 2i in the low nibble
-                lo, hi = tl.split(tl.reshape(q, (HEAD_DIM // 2, 2)))
-                tl.store(c_base + tl.arange(0, HEAD_DIM // 2), lo | (hi << 4))
+            else:  # two codes per byte (kernels.packing: kvlab.layout's nibble order)
+                tl.store(c_base + tl.arange(0, HEAD_DIM // 2), pack_int4(q, HEAD_DIM))
 
 
 def quantize_append(store: KVStore, x: torch.Tensor, positions: torch.Tensor) -> None:

@@ -134,10 +134,15 @@ class KVFormat:
     def for_layer(self, window: int | None) -> KVFormat:
         """The plain format one layer stores: a sliding-window layer (``window`` set) or a global one.
 
-        A layer type with no override stores this format's own quantizers (fp32 for a named mix)."""
+        A layer type with no override stores this format's own quantizers and options; a named mix
+        (``"int4_token@global"``) is built on full precision, so its other layers are plain ``fp32``."""
         if not self.layers:
             return self
-        own = FORMATS["fp32"] if "@" in self.name else replace(self, layers=())
+        own = replace(self, layers=(), aliases=())
+        fp32 = FORMATS["fp32"]
+        if (own.key, own.value, own.residual, own.sinks, own.rotate) == (
+                fp32.key, fp32.value, fp32.residual, fp32.sinks, fp32.rotate):
+            own = fp32
         return dict(self.layers).get("sliding_attention" if window else "full_attention", own)
 
     @property

@@ -10,7 +10,8 @@ counts it, the CPU tile path and both Triton kernels read its :class:`Kind` and 
 the ahead-of-time compile matrix (``kvlab.kernels.aot``) enumerates it over every preset.
 
 Packed integers: element ``2i`` of an INT4 row sits in the low nibble of byte ``i`` (INT2: element
-``4i + j`` in bits ``2j..2j+1``), the order :func:`kvlab.quant.pack_int` writes. Symmetric integers are
+``4i + j`` in bits ``2j..2j+1``), the order :func:`kvlab.quant.pack_int` writes and ``kvlab.kernels.packing``
+packs and unpacks inside the Triton kernels. Symmetric integers are
 stored unsigned, offset by ``2^(bits-1)``.
 
 This module imports no torch: dtypes are named by the strings torch uses for them.

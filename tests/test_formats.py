@@ -34,6 +34,12 @@ def test_a_layer_type_mix_names_its_layers():
     assert mix.for_layer(None) == get_format("int4_token")  # a global layer
     assert mix.for_layer(512).name == "fp32"  # a sliding-window layer
     assert get_format("int4_token@sliding").layer_names == {"sliding_attention": "int4_token"}
+    # a mix built in code (no "@" in its name) stores its own quantizers on the layers it does not override
+    from dataclasses import replace
+
+    custom = replace(get_format("int8"), name="mine", layers=(("full_attention", get_format("q4_0")),))
+    assert custom.for_layer(None) == get_format("q4_0")
+    assert custom.for_layer(512).key == get_format("int8").key and not custom.for_layer(512).layers
 
 
 @pytest.mark.parametrize("bad, match", [("int4@everywhere", "@global or @sliding"), ("int9", "unknown KV format"),
