@@ -278,6 +278,7 @@ def _model_facts(sweep) -> dict:
                            for n in sweep.lengths("cached") for f in sweep.formats
                            if f != "fp32" and sweep.counts("cached", f, n)[1]},
         "ppl_paired": {n: sweep.paired_perplexity(n) for n in ppl},
+        "vs_base": against_base(sweep), "vs_base_prose": against_base(sweep, "prose"),
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
         "bits": {n: d.get("bits_per_element") for n, d in sweep.header["formats"].items()},
@@ -311,14 +312,43 @@ def values_per_scale(fmt: str, head_dim: int) -> str:
     return f"{q.group_size} tokens"  # KIVI's keys: one scale per channel across a group of tokens
 
 
+def against_base(sweep, stage: str = "filler") -> dict[str, dict]:
+    """Each mitigation against the format it modifies, on the same prompts (the one paired test, pooled over
+    every length of ``stage``): ``fixed`` = prompts the base got wrong and the mitigation right, ``broke`` = the
+    reverse, with the exact McNemar p and verdict ("better" = the mitigation helped)."""
+    from .results import mcnemar, verdict
+
+    out = {}
+    for f, base in CH4_MITIGATIONS.items():
+        pairs = []
+        for n in sweep.lengths(stage):
+            try:
+                pairs.append(sweep.paired(stage, f, n, reference=base))
+            except KeyError:  # not run at this length (or not at all)
+                continue
+        if pairs:
+            fixed, broke = sum(p.gained for p in pairs), sum(p.lost for p in pairs)
+            out[f] = {"base": base, "fixed": fixed, "broke": broke, "prompts": sum(p.prompts for p in pairs),
+                      "p": mcnemar(broke, fixed), "verdict": verdict(broke, fixed)}
+    return out
+
+
+def _p_text(p: float) -> str:
+    return f"{p:.2f}" if p >= 0.01 else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
 def _mitigations_md(m: dict) -> str:
-    """One line per mitigation on one model: where it is worse, beside where its base format is."""
+    """One line per mitigation on one model: the direct paired test against its base format, then where each
+    is worse than full precision."""
     def at(f):
         r = m["by"].get(f)
         return "—" if r is None else ", ".join(_k(n) for n in r["worse_at"]) or "never"
 
-    rows = [f"| `{f}` | {at(f)} | `{b}` | {at(b)} |" for f, b in CH4_MITIGATIONS.items() if f in m["by"]]
-    return "| format | worse at | base format | base worse at |\n|---|---|---|---|\n" + "\n".join(rows)
+    word = {"better": "**helped**", "worse": "**hurt**", "not distinguishable": "no difference shown"}
+    rows = [f"| `{f}` | `{d['base']}` | {d['fixed']} / {d['broke']} | {_p_text(d['p'])} | {word[d['verdict']]} | "
+            f"{at(f)} | {at(d['base'])} |" for f, d in m["vs_base"].items()]
+    return ("| mitigation | its base | fixed / broke | p | against its base | worse than fp32 at | base worse at |\n"
+            "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
 def _stage_md(models: list[dict], stage: str) -> str:
@@ -588,6 +618,17 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     for model in sweeps:
         m = values[CH4_KEYS.get(model, model)]
         m["mitigations_md"] = _mitigations_md(m)
+        for v in ("better", "worse", "not distinguishable"):
+            key = {"better": "helped", "worse": "hurt", "not distinguishable": "none"}[v]
+            m[f"vs_base_{key}"] = [f for f, d in m["vs_base"].items() if d["verdict"] == v]
+            m[f"vs_base_{key}_md"] = names_md(m[f"vs_base_{key}"])
+        both = [f for f in m["vs_base"] if f in m["vs_base_prose"]]
+        diff = [f for f in both if m["vs_base"][f]["verdict"] != m["vs_base_prose"][f]["verdict"]]
+        m["vs_base_prose_n"], m["vs_base_prose_same"] = len(both), len(both) - len(diff)
+        m["vs_base_prose_diff_md"] = "" if not diff else "; not for " + ", ".join(
+            f"`{f}` ({m['vs_base_prose'][f]['verdict']} in prose)" for f in diff)
+        m["helped_still_worse"] = [f for f in m["vs_base_helped"] if m["by"][f]["worse_at"]]
+        m["helped_still_worse_md"] = names_md(m["helped_still_worse"])
         m["head_dim"] = CH4_HEAD_DIM.get(model)
         m["per_scale"] = {f: values_per_scale(f, m["head_dim"]) for f in CH4_FIGURE if m["head_dim"]}
     for key in keys:  # what each model's longest length shows, and whether any loss grows steadily with length
@@ -640,6 +681,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
 
     G = values.get("G")
+    S = values.get("S")
+    values["S_int4_token_lost"] = None if S is None else sum(lost for lost, _ in S["lost_gained"]["int4_token"])
     g_claims = {} if G is None else {
         "on Gemma q4_0 and int4_g16 are never worse": _claim({"q4_0", "int4_g16"} <= set(G["never"]), G["never"]),
         "on Gemma int4 passes the short needle and is worse at a longer length": _claim("int4" in G["later"], G["later"]),
@@ -682,7 +725,15 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "on Gemma INT4 on the windowed layers alone is worse at no more lengths than on the global layers alone":
             _claim(set(G["by"]["int4_token@sliding"]["worse_at"]) <= set(G["by"]["int4_token@global"]["worse_at"])),
         "on Gemma the residual window holds at the shortest length": _claim(G["by"]["int4_token+residual128"]["short_verdict"] != "worse"),
-        "on Gemma sinks do not help": _claim(G["by"]["int4_token+sinks4"]["worse_at"] == G["by"]["int4_token"]["worse_at"]),
+        "on Gemma sinks do not help": _claim(G["by"]["int4_token+sinks4"]["worse_at"] == G["by"]["int4_token"]["worse_at"]
+                                             and G["vs_base"]["int4_token+sinks4"]["verdict"] != "better"),
+        "on Gemma rotation hurts KIVI-2 and helps per-token and per-tensor INT4, directly against their bases": _claim(
+            G["vs_base"]["kivi-2+rotate"]["verdict"] == "worse"
+            and {"int4_token+rotate", "int4_tensor+rotate"} <= set(G["vs_base_helped"]), G["vs_base"]),
+        "on SmolLM2 rotation helps KIVI-2 directly against it": _claim(
+            S is None or S["vs_base"]["kivi-2+rotate"]["verdict"] == "better", S and S["vs_base"]["kivi-2+rotate"]),
+        "on SmolLM2 per-token INT4 lost fewer filler prompts than the test can detect a fix for": _claim(
+            S is None or values["S_int4_token_lost"] < fewest_prompts_to_detect(), values.get("S_int4_token_lost")),
         "on Gemma the 4-bit formats line up with the values a scale covers": _claim(
             {"q4_0", "int4_g16"} <= set(G["never"]) and G["by"]["int4"]["short_verdict"] != "worse"
             and 0 < len(G["by"]["int4"]["worse_at"]) < len(G["lengths"])

@@ -360,8 +360,9 @@ def figure_by_model(sweeps: dict[str, LongSweep], formats: list[str], stage: str
 
 def verdict_markdown(sweeps: dict[str, LongSweep], formats: list[str], stage: str = "filler",
                      reference: str = "fp32") -> str:
-    """A Markdown table: one row per format, one column per (model, length), ``correct/prompts``, bold with
-    a ✗ where the paired test finds the format worse than ``reference``."""
+    """A Markdown table: one row per format, one column per (model, length), ``correct/prompts`` and, where
+    any, the discordant prompts the paired test reads (``−lost +gained`` against ``reference``), bold with a ✗
+    where it finds the format worse."""
     cols = [(m, n) for m, s in sweeps.items() for n in s.lengths(stage)]
     cells = {(m, r["kv_format"], r["length"]): r for m, s in sweeps.items() for r in s.table(stage, reference)}
     head = "| format | " + " | ".join(f"{m.split('-')[0]} {n // 1024}k" for m, n in cols) + " |"
@@ -370,8 +371,11 @@ def verdict_markdown(sweeps: dict[str, LongSweep], formats: list[str], stage: st
         row = []
         for m, n in cols:
             r = cells.get((m, fmt, n))
-            row.append("—" if r is None else f"**{r['correct']}/{r['prompts']} ✗**" if r["verdict"] == "worse"
-                       else f"{r['correct']}/{r['prompts']}")
+            if r is None:
+                row.append("—")
+                continue
+            text = f"{r['correct']}/{r['prompts']}" + (f" −{r['lost']} +{r['gained']}" if r["lost"] or r["gained"] else "")
+            row.append(f"**{text} ✗**" if r["verdict"] == "worse" else text)
         out.append(f"| `{fmt}` | " + " | ".join(row) + " |")
     return "\n".join(out)
 

@@ -61,3 +61,27 @@ def test_render_names_a_missing_fact_and_an_unknown_section(tmp_path):
     (tmp_path / "d.md").write_text("<!-- section: a -->\n1\n<!-- section: a -->\n2\n")
     with pytest.raises(ValueError, match="twice"):
         prose.sections("d", tmp_path)
+
+
+def test_a_mitigation_is_tested_against_its_base_on_the_same_prompts(tmp_path):
+    """Pooled over lengths: 'fixed' = base wrong and mitigation right on one prompt; 'broke' the reverse."""
+    import json
+
+    from kvlab.results import LongSweep, mcnemar
+
+    fmts = {f: {} for f in ("fp32", "int4_token", "int4_token+rotate", "kivi-2", "kivi-2+rotate")}
+    recs = []
+    for n in (1024, 4096):
+        for i in range(10):  # rotation fixes 4 prompts a length and breaks none; on KIVI-2 it fixes 1 and breaks 1
+            recs.append({"stage": "filler", "length": n, "depth": 0.0, "index": i, "correct": {
+                "fp32": True, "int4_token": i >= 4, "int4_token+rotate": True,
+                "kivi-2": i != 0, "kivi-2+rotate": i != 1}})
+    p = tmp_path / "s.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in [{"kind": "header", "model": "m", "formats": fmts}, *recs]) + "\n")
+    vs = facts.against_base(LongSweep.load(p))
+    assert set(vs) == {"int4_token+rotate", "kivi-2+rotate"}  # the others were not run
+    assert vs["int4_token+rotate"] | {"p": None} == {"base": "int4_token", "fixed": 8, "broke": 0, "prompts": 20,
+                                                    "p": None, "verdict": "better"}
+    assert vs["int4_token+rotate"]["p"] == mcnemar(0, 8) < 0.01
+    assert (vs["kivi-2+rotate"]["fixed"], vs["kivi-2+rotate"]["broke"]) == (2, 2)
+    assert vs["kivi-2+rotate"]["verdict"] == "not distinguishable"
