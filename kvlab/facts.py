@@ -391,6 +391,26 @@ def _formats_md(fmts: list[str]) -> str:
             "|---|---|---|---|\n" + "\n".join(rows))
 
 
+def _flags_md(models: list[dict], fmts: list[str]) -> str:
+    """Chapter 4's formats as an engineer switches them on: each model's verdict, then each engine's documented
+    option that stores exactly that format (``kvlab formats --engines``; "none" = a format only kvlab runs)."""
+    from .formats import engine_options
+
+    head = "| format | " + " | ".join(f"{m['name']}" for m in models) + " | how an engine selects it |"
+    out = [head, "|---" * (2 + len(models)) + "|"]
+    for f in fmts:
+        if f == "fp32":
+            continue
+        flags = [f"{e}: `{flag.split(' (')[0]}`" for e, flag in engine_options(f).items() if flag]
+        def verdicts(m):
+            filler, prose = m["status"].get(f, "—"), m["prose"]["status"].get(f)
+            return filler if prose in (None, filler) else f"{filler}; in prose {prose}"
+
+        out.append(f"| `{f}` | " + " | ".join(verdicts(m) for m in models)
+                   + f" | {'; '.join(flags) or 'none (kvlab only)'} |")
+    return "\n".join(out)
+
+
 def _low_bit(fmt: str) -> bool:
     """A 4-bit (or 2-bit) KV format, mitigations and per-layer mixes included: what "INT4 KV" turns on."""
     return any(t in fmt for t in ("int4", "q4_", "kivi"))
@@ -615,6 +635,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                              for f, _ in st.get("cell", {}) if f != "fp32"), "min_detect": fewest_prompts_to_detect(),
                "undetectable": fewest_prompts_to_detect() - 1}
     values["formats_md"] = _formats_md(values["figure_formats"] + list(CH4_MITIGATIONS))
+    values["flags_md"] = _flags_md([values[k] for k in keys], list(dict.fromkeys(
+        values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:])))
     for model in sweeps:
         m = values[CH4_KEYS.get(model, model)]
         m["mitigations_md"] = _mitigations_md(m)
