@@ -402,7 +402,8 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
         if f == "fp32":
             continue
         flags = [f"{e}: `{flag.split(' (')[0]}`" for e, flag in engine_options(f).items() if flag]
-        def verdicts(m):
+
+        def verdicts(m, f=f):
             filler, prose = m["status"].get(f, "—"), m["prose"]["status"].get(f)
             return filler if prose in (None, filler) else f"{filler}; in prose {prose}"
 
