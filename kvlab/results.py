@@ -32,7 +32,7 @@ LONG_SWEEPS = {"smollm2-135m": RESULTS_DIR / "long_sweep_smollm2.jsonl", "gemma3
 # "looks fine on perplexity": a paired test on 16 windows detects even FP8's tiny increase, so the trap's
 # first rung needs a tolerance; 5% is the limit chapter 5's quality-adjusted cost also uses
 PPL_TOLERANCE = 0.05
-STAGES = ("filler", "prose", "cached")  # passkey stages
+STAGES = ("filler", "prose", "cached", "multikey")  # passkey stages (multikey: two named keys, kvlab.tasks.multikey)
 PPL_STAGE = "perplexity"  # held-out windows: summed NLL per format
 
 

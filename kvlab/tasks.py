@@ -151,9 +151,18 @@ def passkey(tok, length: int, depth: float, rng: random.Random, key: str | None 
             f"length={length} is too short for a passkey prompt: it needs at least "
             f"{len(intro) + len(needle) + len(question)} tokens"
         )
+    hay, bounds = _haystack(tok, n_fill, rng, haystack, length)
+    cut = min(bounds, key=lambda b: abs(b - depth * n_fill))
+    ids = intro + hay[:cut] + needle + hay[cut:] + question
+    assert len(ids) == length
+    return Example(ids, answer, key, needle_start=len(intro) + cut, meta={"depth": depth})
+
+
+def _haystack(tok, n_fill: int, rng: random.Random, haystack: list[int] | None, length: int):
+    """``n_fill`` haystack tokens and the sentence boundaries inside them (a needle never splits a sentence):
+    repeated filler sentences, or a stretch of ``haystack`` at an offset drawn from ``rng``."""
     if haystack is None:
         hay = filler_tokens(tok, n_fill)
-        # Sentence boundaries inside the haystack, so the needle never splits a sentence.
         bounds, pos, i = [0], 0, 0
         lens = [len(_encode(tok, s)) for s in FILLER]
         while pos < n_fill:
@@ -161,16 +170,54 @@ def passkey(tok, length: int, depth: float, rng: random.Random, key: str | None 
             i += 1
             if pos <= n_fill:
                 bounds.append(pos)
-    else:
-        if len(haystack) < n_fill:
-            raise ValueError(f"haystack has {len(haystack)} tokens; a {length}-token prompt needs {n_fill}")
-        start = rng.randrange(0, len(haystack) - n_fill + 1)
-        hay = list(haystack[start : start + n_fill])
-        bounds = _boundaries(tok, hay)
-    cut = min(bounds, key=lambda b: abs(b - depth * n_fill))
-    ids = intro + hay[:cut] + needle + hay[cut:] + question
+        return hay, bounds
+    if len(haystack) < n_fill:
+        raise ValueError(f"haystack has {len(haystack)} tokens; a {length}-token prompt needs {n_fill}")
+    start = rng.randrange(0, len(haystack) - n_fill + 1)
+    hay = list(haystack[start : start + n_fill])
+    return hay, _boundaries(tok, hay)
+
+
+MULTI_INTRO = "\nSeveral pass keys hide in the long text below, each with a name. Find them and remember them."
+MULTI_NEEDLE = " The pass key for {name} is {key}."
+MULTI_QUESTION = " What is the pass key for {name}? The pass key for {name} is"
+
+
+def multikey(tok, length: int, depth: float, rng: random.Random, keys: int = 2,
+             haystack: list[int] | None = None) -> Example:
+    """A harder passkey prompt (RULER's multi-key needle, Hsieh et al. 2024, arXiv:2404.06654): ``keys``
+    named pass keys in the haystack, the one asked for at ``depth`` and the others at random sentence
+    boundaries; the model must return the asked one's key, not a neighbour's. Exactly ``length`` tokens."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    if isinstance(keys, bool) or not isinstance(keys, int) or not 2 <= keys <= 20:
+        raise ValueError(f"keys must be an integer from 2 to 20, got {keys!r}")
+    names = rng.sample(NAMES, keys)
+    values: list[str] = []
+    while len(values) < keys:  # distinct keys: an answer names exactly one needle
+        if (k := random_key(rng)) not in values:
+            values.append(k)
+    intro, question = bos(tok) + _encode(tok, MULTI_INTRO), _encode(tok, MULTI_QUESTION.format(name=names[0]))
+    needles = [_encode(tok, MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(names, values)]
+    n_fill = length - len(intro) - sum(map(len, needles)) - len(question)
+    if n_fill < 0:
+        raise ValueError(f"length={length} is too short for a {keys}-key prompt: it needs at least "
+                         f"{length - n_fill} tokens")
+    hay, bounds = _haystack(tok, n_fill, rng, haystack, length)
+    target = min(bounds, key=lambda b: abs(b - depth * n_fill))
+    others = [b for b in bounds if b != target] or [target]
+    cuts = [target] + [rng.choice(others) for _ in range(keys - 1)]
+    ids, start, prev = list(intro), -1, 0
+    for i in sorted(range(keys), key=lambda i: (cuts[i], i)):  # needles in haystack order
+        ids += hay[prev:cuts[i]]
+        if i == 0:
+            start = len(ids)
+        ids += needles[i]
+        prev = cuts[i]
+    ids += hay[prev:] + question
     assert len(ids) == length
-    return Example(ids, answer, key, needle_start=len(intro) + cut, meta={"depth": depth})
+    return Example(ids, _encode(tok, " " + values[0]), values[0], needle_start=start,
+                   meta={"depth": depth, "names": names, "keys": values})
 
 
 def kv_lookup(

@@ -81,6 +81,17 @@ def test_paired_counts_discordant_prompts(tmp_path):
         s.paired("filler", "int4", 2048)
 
 
+def test_the_multikey_rung_is_paired_within_its_own_prompts(tmp_path):
+    """Its prompts differ from the filler stage's (two named keys): full precision's answers come from the same
+    multikey prompts, never from another stage."""
+    recs = [_rec("filler", 1024, 0.0, i, fp32=True, int4=True) for i in range(6)]
+    recs += [_rec("multikey", 1024, 0.0, i, fp32=i < 5, int4=i == 5) for i in range(6)]
+    s = R.LongSweep.load(_write(tmp_path, recs))
+    m = s.paired("multikey", "int4", 1024)
+    assert (m.prompts, m.ref_correct, m.lost, m.gained, m.verdict) == (6, 5, 5, 1, "not distinguishable")
+    assert s.lengths("multikey", complete=False) == [1024]
+
+
 def _ppl(i, tokens=10, **nll):
     return {"stage": "perplexity", "length": tokens + 1, "depth": 0.0, "index": i, "tokens": tokens, "nll": nll}
 

@@ -90,3 +90,32 @@ def test_heldout_windows_cut_consecutive_windows():
         heldout_windows(tok, "abc", window=3)
     with pytest.raises(ValueError, match="window must be a positive integer"):
         heldout_windows(tok, "abcdef", window=0)
+
+
+@pytest.mark.parametrize("keys", [2, 4])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_multikey_places_every_named_key_once_and_asks_for_the_one_at_depth(keys, depth):
+    ex = tasks.multikey(CharTok(), 1200, depth, random.Random(3), keys=keys)
+    text = "".join(map(chr, ex.input_ids))
+    assert len(ex.input_ids) == 1200 and len(set(ex.meta["keys"])) == keys
+    asked, key = ex.meta["names"][0], ex.meta["keys"][0]
+    assert ex.answer == key and "".join(map(chr, ex.answer_ids)) == " " + key
+    assert text.endswith(tasks.MULTI_QUESTION.format(name=asked))
+    for name, k in zip(ex.meta["names"], ex.meta["keys"]):
+        assert text.count(tasks.MULTI_NEEDLE.format(name=name, key=k)) == 1 and text.count(k) == 1
+    assert text[ex.needle_start:].startswith(tasks.MULTI_NEEDLE.format(name=asked, key=key))
+    needles = sum(len(tasks.MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(ex.meta["names"], ex.meta["keys"]))
+    hay = 1200 - len(tasks.MULTI_INTRO) - needles - len(tasks.MULTI_QUESTION.format(name=asked))
+    before = text[len(tasks.MULTI_INTRO):ex.needle_start]  # haystack before the asked needle, other needles removed
+    for name, k in zip(ex.meta["names"][1:], ex.meta["keys"][1:]):
+        before = before.replace(tasks.MULTI_NEEDLE.format(name=name, key=k), "")
+    assert abs(len(before) / hay - depth) < 0.05 + 25 / hay  # within one filler sentence of the requested depth
+
+
+def test_multikey_errors():
+    with pytest.raises(ValueError, match="keys must be"):
+        tasks.multikey(CharTok(), 1000, 0.5, random.Random(0), keys=1)
+    with pytest.raises(ValueError, match="too short for a 3-key prompt"):
+        tasks.multikey(CharTok(), 100, 0.5, random.Random(0), keys=3)
+    with pytest.raises(ValueError, match="depth"):
+        tasks.multikey(CharTok(), 1000, -0.1, random.Random(0))
