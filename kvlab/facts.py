@@ -272,7 +272,7 @@ def _model_facts(sweep) -> dict:
         "ppl_flags_md": names_md([n for n, r in f["by"].items() if r["ppl_increase"] is not None and not r["ppl_ok"]]),
         "hours": seconds / 3600, "machine": sweep.header.get("machine", "?"), "date": sweep.header.get("date", "?"),
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
-        "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"),
+        "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"), "multikey": _lists(sweep, "multikey"),
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n)}
                            for n in sweep.lengths("cached") for f in sweep.formats
@@ -702,6 +702,13 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["n_lengths"] = len(m["lengths"])
     values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
+    values["multikey_md"] = _stage_md([values[k] for k in keys], "multikey")
+    # formats the single-needle stages never found worse that the two-key rung did
+    values["multikey_new"] = [(values[k]["name"], f) for k in keys for f in values[k]["multikey"]["by"]
+                              if values[k]["multikey"]["by"][f]["worse_at"] and f in values[k]["never"]
+                              and not values[k]["prose"]["by"].get(f, {}).get("worse_at")]
+    values["multikey_new_md"] = "; ".join(f"`{f}` on {n}" for n, f in values["multikey_new"]) or "none"
+    values["multikey_measured"] = [values[k]["name"] for k in keys if values[k]["multikey"]["measured"]]
 
     G = values.get("G")
     S = values.get("S")
