@@ -364,7 +364,11 @@ def cmd_serve(args) -> int:
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
-        pass
+        print("kvlab: stopping (a generation in progress is answered 503)", file=sys.stderr, flush=True)
+        try:
+            srv.stop_generating()  # never exit while a handler thread is inside torch: that aborts the process
+        except KeyboardInterrupt:
+            pass
     finally:
         srv.httpd.server_close()
     return 0

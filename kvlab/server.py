@@ -60,12 +60,11 @@ class ClientGone(Exception):
     """The client closed its connection while its completion was being generated."""
 
 
-def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bool = False,
-               null_is_default: bool = False):
-    v = body.get(name, default)
+def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bool = False):
+    v = body.get(name)
     if v is None and nullable:
         return None
-    if v is None and null_is_default:  # OpenAI's API reads an explicit null as "the default"
+    if v is None:  # absent, or an explicit null: OpenAI's API reads both as "the default"
         return default
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise RequestError(400, f"{name!r} must be an integer in [{lo}, {hi}], got {str(v)[:40]!r}")
@@ -73,7 +72,9 @@ def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bo
 
 
 def _number_field(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name, default)
+    v = body.get(name)
+    if v is None:  # absent or null: the default
+        return float(default)
     if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
         raise RequestError(400, f"{name!r} must be a number in [{lo}, {hi}], got {str(v)[:40]!r}")
     return float(v)
@@ -276,7 +277,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(411, "a POST needs a Content-Length header")
         if not re.fullmatch(r"[0-9]+", raw_len.strip()):
             raise RequestError(400, f"Content-Length must be a non-negative integer, got {raw_len[:40]!r}")
-        n = int(raw_len.strip()[:40])  # a 40-digit length is as much too large as a 19-digit one
+        digits = raw_len.strip().lstrip("0") or "0"
+        n = int(digits) if len(digits) <= 40 else 10**40  # a 40-digit length is as much too large as a 19-digit one
         if n > srv.max_body:
             self._drain(min(n, DRAIN_BYTES))  # read what we can, so that the client reads the 413 and not a reset
             raise RequestError(413, f"the request body is {n} bytes; this server takes at most {srv.max_body} "
@@ -428,6 +430,7 @@ class CompletionServer:
         # JSON may escape each character as \uXXXX (6 bytes); token-id lists take at most 12 bytes an id
         self.max_body = 65536 + max(6 * self.max_prompt_chars, 12 * self.max_context)
         self._lock = threading.Lock()
+        self.stopping = threading.Event()  # set on shutdown: a generation in progress ends with a 503
         self.httpd = _Server((host, port), _Handler)
         self.httpd.kvlab = self
         self.host, self.port = host, self.httpd.server_address[1]
@@ -448,7 +451,23 @@ class CompletionServer:
 
     def close(self) -> None:
         self.httpd.shutdown()
+        self.stop_generating()
         self.httpd.server_close()
+
+    def stop_generating(self, timeout: float = 60.0) -> bool:
+        """End any generation in progress (its client gets a 503) and wait for the model to be free, so the
+        process never exits while a thread is inside torch (which aborts the interpreter). False on timeout."""
+        self.stopping.set()
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
+
+    def _check(self, gone) -> None:
+        if self.stopping.is_set():
+            raise RequestError(503, "the server is shutting down")
+        if gone is not None and gone():
+            raise ClientGone
 
     def __enter__(self) -> CompletionServer:
         return self.start()
@@ -541,9 +560,10 @@ class CompletionServer:
                 raise RequestError(400, f"{pen!r} is not supported (only 0)")
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise RequestError(400, "'user' must be a string")
-        max_new = _int_field(body, "max_tokens", 16, 0, self.max_tokens, null_is_default=True)
+        max_new = _int_field(body, "max_tokens", 16, 0, self.max_tokens)
         k = _int_field(body, "logprobs", None, 0, MAX_LOGPROBS, nullable=True)
-        echo = body.get("echo", False)
+        echo = body.get("echo")
+        echo = False if echo is None else echo
         if not isinstance(echo, bool):
             raise RequestError(400, f"'echo' must be true or false, got {str(echo)[:40]!r}")
         stop = self._stop(body)
@@ -557,8 +577,7 @@ class CompletionServer:
                                     f"{'prompt + ' if echo else ''}{max_new} new tokens x {k} alternatives); at most "
                                     f"{MAX_LOGPROB_ENTRIES:,}: lower 'logprobs' or send a shorter prompt")
         with self._lock, torch.no_grad():
-            if gone is not None and gone():
-                raise ClientGone
+            self._check(gone)
             new, steps, prompt_lp, stopped = self._generate(ids, max_new, k, echo, stop, gone)
         return self._response(ids, new, steps, prompt_lp, k, echo, stop, stopped)
 
@@ -593,8 +612,7 @@ class CompletionServer:
                 return new, steps, prompt_lp, True
             if nxt == eos or i == max_new - 1:
                 break
-            if gone is not None and gone():
-                raise ClientGone
+            self._check(gone)
             out = model(torch.tensor([[nxt]], device=dev), past_key_values=cache, use_cache=True)
             step = torch.log_softmax(out.logits[0, -1].float(), -1)
         return new, steps, prompt_lp, False

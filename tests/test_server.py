@@ -388,3 +388,65 @@ def test_tokenize_names_the_model_as_completions_does_and_huge_logprob_answers_a
         assert r.status_code == 400 and "log-probabilities" in r.json()["error"]["message"]
     finally:
         S.MAX_LOGPROB_ENTRIES = monkey
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path):
+    """SIGINT while a request is generating: the request is answered 503 (or completes), the process exits 0
+    with a line on stderr, never aborting inside torch ('terminate called without an active exception')."""
+    import signal
+    import subprocess
+    import sys
+
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--model", "kvlab-tiny", "--kv-format", "int8",
+                             "--port", str(free)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        url = f"http://127.0.0.1:{free}"
+        for _ in range(240):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        answer = {}
+
+        def ask():
+            try:
+                r = httpx.post(url + "/v1/completions", json={"prompt": list(range(5, 1500)), "max_tokens": 512},
+                               timeout=120)
+                answer["status"] = r.status_code
+            except httpx.HTTPError as e:
+                answer["error"] = repr(e)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
+    assert answer.get("status") in (200, 503), answer
+
+
+def test_an_explicit_null_is_the_default_for_every_optional_field(srv):
+    base = _post(srv, {"prompt": "The cat", "max_tokens": 3}).json()["choices"][0]["text"]
+    nulls = {f: None for f in ("temperature", "top_p", "n", "best_of", "echo", "presence_penalty",
+                               "frequency_penalty", "max_tokens", "seed", "stream", "logprobs", "stop", "user")}
+    r = _post(srv, {"prompt": "The cat", **nulls} | {"max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == base, r.text
+
+
+def test_a_content_length_with_many_leading_zeros_is_read_as_its_value(srv):
+    body = json.dumps({"prompt": "The cat", "max_tokens": 1}).encode()
+    head = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: " + b"0" * 50 + str(len(body)).encode()
+                + b"\r\n\r\n" + body)
+    assert head.startswith(b"HTTP/1.0 200 "), head[:200]
