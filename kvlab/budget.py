@@ -182,6 +182,8 @@ def _load_shape(model) -> ModelShape:
                 raise ValueError(f"model config {str(path)!r} must hold a JSON object")
             cfg = _config_from_dict(doc)
             name, source = path.parent.name or str(path), str(path)
+            # a folder name that is not UTF-8 (surrogate escapes) is shown with replacement characters
+            name, source = (x.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for x in (name, source))
             if path.resolve() == (DATA / "model" / "config.json").resolve():
                 name = "kvlab-tiny"
     else:
@@ -314,7 +316,7 @@ def estimate_parameters(cfg) -> int | None:
     the config lacks (or has impossible values for) the sizes it needs."""
     def g(k):
         v = getattr(cfg, k, None)
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= _CONFIG_LIMIT else None
 
     h, L, V = g("hidden_size"), g("num_hidden_layers"), g("vocab_size")
     heads, inter = g("num_attention_heads"), g("intermediate_size")

@@ -77,6 +77,15 @@ def _human(n: float) -> str:
 
 
 def cmd_budget(args) -> int:
+    if args.gpu is None:  # these only size the GPU's share: without --gpu they would be silently ignored
+        for flag, value, default in (("--memory-utilization", args.memory_utilization, 0.9),
+                                     ("--weights-dtype", args.weights_dtype, "bf16")):
+            if value != default:
+                print(f"kvlab: error: {flag} needs --gpu (it sizes what is left for the cache on one)", file=sys.stderr)
+                return 2
+    elif not args.gpu.strip():
+        print("kvlab: error: --gpu is empty", file=sys.stderr)
+        return 2
     try:
         if args.gpu:
             B.get_gpu(args.gpu)  # before the model's config: a folder config may take seconds to read
@@ -193,6 +202,9 @@ def cmd_niah(args) -> int:
             flag = "--" + key.replace("_", "-")
             print(f"kvlab: error: {flag} is for a run against a server: it needs --endpoint URL", file=sys.stderr)
             return 2
+    if why := _task_problem(args):
+        print(f"kvlab: error: {why}", file=sys.stderr)
+        return 2
     if args.kv_format is None:
         print("kvlab: error: --kv-format is required (or --endpoint URL to test a running server)", file=sys.stderr)
         return 2
@@ -215,7 +227,7 @@ def cmd_niah(args) -> int:
                                       seed=args.seed, progress=not args.json, prefill=args.prefill,
                                       haystack=args.haystack, haystack_text=text, chunk=args.chunk)
         else:
-            res = evals.chain_sweep(model, tok, args.kv_format, args.lengths, args.depths or [1.0],
+            res = evals.chain_sweep(model, tok, args.kv_format, args.lengths, args.depths,
                                     hops=args.hops, trials=args.trials, seed=args.seed, progress=not args.json,
                                     prefill=args.prefill)
     except (ValueError, FileNotFoundError, TypeError) as e:
@@ -239,10 +251,40 @@ def cmd_niah(args) -> int:
     return 1 if failed_write else 0
 
 
+def _task_problem(args) -> str | None:
+    """A flag the chosen task would ignore or cannot take (checked before any model loads), or None.
+    Sets the task's default ``--depths`` when none were given."""
+    if args.task == "chain":
+        if args.depths is None:
+            args.depths = [1.0]  # a chain's "depth" is the spread of its links over the prompt
+        if any(d <= 0 for d in args.depths):
+            return f"--depths: a chain's depths are spreads over the prompt and must be > 0, got {args.depths}"
+        if args.haystack != "filler" or args.haystack_file is not None:
+            return "--haystack and --haystack-file are for the passkey task"
+    else:
+        if args.depths is None:
+            args.depths = [0.0, 0.5, 1.0]
+        if args.hops != 2:
+            return "--hops is for --task chain"
+    return None
+
+
 def cmd_niah_endpoint(args) -> int:
     """``kvlab niah --endpoint URL [--compare URL2]``: the ladder against running servers."""
     from . import endpoint as E
     from .paths import write_json
+
+    if why := _task_problem(args):
+        print(f"kvlab: error: {why}", file=sys.stderr)
+        return 2
+    for flag, given in (("--haystack-file", args.haystack_file is not None), ("--chunk", args.chunk is not None)):
+        if given:
+            print(f"kvlab: error: {flag} is for kvlab's own model; with --endpoint the prompts are the server's to "
+                  "prefill (the passkey haystack is --haystack filler or prose)", file=sys.stderr)
+            return 2
+    if args.tokenizer is not None and not args.tokenizer.strip():
+        print("kvlab: error: --tokenizer is empty", file=sys.stderr)
+        return 2
 
     if args.kv_format is not None:
         print("kvlab: error: --kv-format selects kvlab's own cache; with --endpoint the server's flag decides",
@@ -280,7 +322,7 @@ def cmd_niah_endpoint(args) -> int:
         except (OSError, ValueError) as e:
             raise ValueError(f"--tokenizer {name}: could not load it ({str(e).splitlines()[0]})") from None
         t0 = time.perf_counter()
-        doc = E.compare(eps, tok, journal, task=args.task, lengths=args.lengths, depths=args.depths or [1.0],
+        doc = E.compare(eps, tok, journal, task=args.task, lengths=args.lengths, depths=args.depths,
                         trials=args.trials, seed=args.seed, hops=args.hops, haystack=args.haystack,
                         max_tokens=args.max_tokens, top_logprobs=args.top_logprobs, concurrency=args.concurrency,
                         ppl_windows=args.ppl_windows, progress=not args.json)
@@ -288,6 +330,7 @@ def cmd_niah_endpoint(args) -> int:
             if err != "interrupted":
                 print(f"kvlab: warning: perplexity: {err}", file=sys.stderr)
         interrupted = "interrupted" in doc.get("perplexity_errors", {}).values()
+        ppl_failed = sum(err != "interrupted" for err in doc.get("perplexity_errors", {}).values())
     except (ValueError, E.EndpointError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
@@ -327,7 +370,10 @@ def cmd_niah_endpoint(args) -> int:
     if interrupted:
         print(f"kvlab: interrupted during the perplexity rung; wrote the ladder to {out}", file=sys.stderr)
         return 130
-    return 1 if failed else 0
+    if ppl_failed:  # asked for, and not measured: not a success
+        print(f"kvlab: error: the perplexity rung failed on {ppl_failed} server(s) (warnings above); the ladder "
+              f"is in {out}", file=sys.stderr)
+    return 1 if failed or ppl_failed else 0
 
 
 def _listen_problem(host: str, port: int) -> str | None:
@@ -338,6 +384,8 @@ def _listen_problem(host: str, port: int) -> str | None:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
         return f"--host {host!r}: not an address this machine can resolve ({getattr(e, 'strerror', None) or e})"
+    if family != socket.AF_INET:  # http.server's ThreadingHTTPServer listens on IPv4 only
+        return f"--host {host!r}: the server listens on IPv4 only (e.g. 127.0.0.1 or 0.0.0.0)"
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server itself does
         try:
@@ -435,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
                                                  "a model folder or a hub name")
     n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
-    n.add_argument("--depths", type=_depth_list, default=[0.0, 0.5, 1.0], help="e.g. 0,0.5,1")
+    n.add_argument("--depths", type=_depth_list, default=None,
+                   help="e.g. 0,0.5,1 (default); for --task chain the spread of its links, default 1")
     n.add_argument("--trials", type=_int("--trials", 1, 10_000), default=5, help="prompts per cell")
     n.add_argument("--task", choices=["passkey", "chain"], default="passkey")
     n.add_argument("--hops", type=_int("--hops", 1, 50), default=2, help="links to follow (chain task)")

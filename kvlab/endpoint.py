@@ -236,6 +236,9 @@ class Endpoint:
         data = doc.get("data")
         if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
             raise EndpointError(f"{self.url}/v1/models: expected {{'data': [{{'id': ...}}]}}, got {str(doc)[:200]}")
+        if bad := [m["id"] for m in data if not _printable(m["id"]) == m["id"] or not m["id"]]:
+            raise EndpointError(f"{self.url}/v1/models: model id {_printable(bad[0])[:80]!r} is not printable text "
+                                "(empty, control characters or lone surrogates)")
         self._listed = {m["id"]: m for m in data}
         return [m["id"] for m in data]
 
@@ -341,8 +344,19 @@ def _json_or_none(content: bytes):
         return None
 
 
+def _printable(text: str) -> str:
+    """``text`` safe to print on a terminal and to encode: control characters (escape sequences that could
+    clear the screen or fake a line) and lone surrogates are written as Python escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _server_message(content: bytes) -> str:
-    """A server's error body in one line: its JSON message, or the text of an HTML page without the tags."""
+    """A server's error body in one line (printable: see :func:`_printable`): its JSON message, or the text of
+    an HTML page without the tags."""
+    return _printable(_raw_server_message(content))
+
+
+def _raw_server_message(content: bytes) -> str:
     doc = _json_or_none(content)
     if doc is None:
         text = content[:4000].decode("utf-8", "replace")
@@ -386,8 +400,11 @@ def ladder_prompts(tok, task: str = "passkey", lengths=(512, 2048), depths=(0.0,
         def make(tok, n, d, rng):
             return tasks.passkey(tok, n, d, rng, haystack=hay)
     elif task == "chain":
+        if any(d <= 0 for d in depths):
+            raise ValueError(f"chain depths are spreads and must be > 0, got {list(depths)!r}")
+
         def make(tok, n, d, rng):
-            return tasks.variable_chain(tok, n, d or 1.0, rng, hops=hops)
+            return tasks.variable_chain(tok, n, d, rng, hops=hops)
     else:
         raise ValueError(f"task must be 'passkey' or 'chain', got {task!r}")
     out = []
@@ -427,7 +444,9 @@ def _journal(path: Path, settings: dict[str, dict]) -> dict[tuple[str, str], dic
         if r.get("settings") != settings[url]:
             raise ValueError(f"journal {path} line {n}: {url} was asked with {r.get('settings')}, this run asks "
                              f"{settings[url]}; use another --out (or delete the journal) to start afresh")
-        if not isinstance(r.get("correct"), bool) or not isinstance(r.get("text"), str):
+        if not isinstance(r.get("correct"), bool) or not isinstance(r.get("text"), str) or not (
+                r.get("prompt_tokens") is None or isinstance(r.get("prompt_tokens"), int)
+                and not isinstance(r.get("prompt_tokens"), bool)):
             continue  # not a complete answer: ask again
         done[url, r["key"]] = r
     return done
@@ -464,6 +483,10 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
         ep.resolve_model()
     settings = {ep.url: {"max_tokens": max_tokens, "top_logprobs": top_logprobs} | ep.identity for ep in endpoints}
     done = _journal(journal, settings)
+    for ep in endpoints:  # the key names the prompt, so its cell comes from the prompt, not from the journal line
+        for p in prompts:
+            if (ep.url, p.key) in done:
+                done[ep.url, p.key] |= {f: getattr(p, f) for f in ("task", "length", "depth", "trial", "answer")}
     todo = [(ep, p) for ep in endpoints for p in prompts if (ep.url, p.key) not in done]
     k = top_logprobs or None
 

@@ -185,8 +185,11 @@ def reachable(src: str | Path) -> None:
     """Raise a one-line ``ValueError`` unless ``src`` is a folder, a hub id in the local cache, or a hub id the
     hub says exists. The hub client retries an unreachable host for about a minute (five times, with back-off)
     before it fails; one metadata request without retries answers in a second."""
-    if isinstance(src, Path) or Path(src).exists():
-        return
+    try:
+        if isinstance(src, Path) or Path(src).exists():
+            return
+    except OSError:  # a name too long for the file system: not a folder, and no hub id is that long either
+        pass
     import huggingface_hub as hub
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 

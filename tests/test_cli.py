@@ -277,6 +277,18 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--tokenizer", "x"], "--tokenizer is for a run against"),
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--max-tokens", "5"], "--max-tokens is for a run"),
     (["niah", "--endpoint", "", "--lengths", "64"], "endpoint URL must be a non-empty string, got ''"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--task", "chain", "--depths", "0"], "must be > 0"),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--task", "chain", "--depths", "0,1"], "must be > 0"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--hops", "3"], "--hops is for --task chain"),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--haystack-file", "EMPTY"], "--haystack-file is for kvlab's own"),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--chunk", "64"], "--chunk is for kvlab's own"),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--tokenizer", " "], "--tokenizer is empty"),
+    (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--memory-utilization", "0.5"],
+     "--memory-utilization needs --gpu"),
+    (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--weights-dtype", "int4"],
+     "--weights-dtype needs --gpu"),
+    (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gpu", ""], "--gpu is empty"),
+    (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--host", "::1"], "IPv4 only"),
 ])
 def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
     import time
@@ -287,3 +299,30 @@ def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err
     assert time.perf_counter() - t < 5  # before any model loads
+
+
+def test_a_chain_takes_its_own_default_depths():
+    from kvlab.cli import _task_problem, build_parser
+
+    args = build_parser().parse_args(["niah", "--kv-format", "int8", "--task", "chain"])
+    assert _task_problem(args) is None and args.depths == [1.0]
+    args = build_parser().parse_args(["niah", "--kv-format", "int8"])
+    assert _task_problem(args) is None and args.depths == [0.0, 0.5, 1.0]
+
+
+def test_budget_survives_absurd_sizes_and_folder_names_that_are_not_utf8(tmp_path, capsys):
+    import os
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 64, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 10**400}
+    folder = tmp_path / os.fsdecode(b"\xff\xfe")
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    argv = ["budget", "--model", str(folder / "config.json"), "--batch", "2", "--context", "64", "--json"]
+    assert run(argv + ["--gpu", "H200"]) == 2  # a vocabulary past any model's: its weights cannot be sized
+    assert "has no parameter count" in capsys.readouterr().err
+    assert run(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # strict JSON, encodable: no lone surrogates
+    out.encode("utf-8")
+    assert doc["cache_bytes"] > 0 and "\ufffd" in doc["model"]

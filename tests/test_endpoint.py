@@ -370,6 +370,34 @@ def test_a_journal_line_missing_its_answer_is_asked_again(stub, tmp_path):
     assert s.count == 3 and all(r["correct"] for r in recs)
 
 
+def test_a_journal_line_with_damaged_cell_fields_is_read_from_its_prompt(stub, tmp_path):
+    s = stub(lambda n: (200, _completion()))
+    journal = tmp_path / "j.jsonl"
+    E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
+    lines = [json.loads(x) for x in journal.read_text().splitlines()]
+    lines[0]["depth"], lines[1]["length"] = None, "x"
+    del lines[1]["trial"]
+    journal.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    recs = E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
+    assert s.count == 2  # both reused: the key names the prompt, whose cell is known
+    assert [(r["length"], r["depth"], r["trial"]) for r in recs] == [(p.length, p.depth, p.trial) for p in _prompts(2)]
+
+
+def test_a_server_message_cannot_drive_the_terminal_or_break_the_output(stub):
+    s = stub(lambda n: (400, {"error": {"message": "bad \ud800 \x1b[2J\x1b[31mRED\nkvlab: all good"}}))
+    with pytest.raises(E.EndpointError) as e:
+        E.Endpoint(s.url, model="stub", retries=0).complete("hi")
+    msg = str(e.value)
+    msg.encode("utf-8")  # no lone surrogate left
+    assert "\x1b" not in msg and "\n" not in msg and "\\x1b[2J" in msg and "\\ud800" in msg
+
+
+def test_a_model_id_that_is_not_printable_text_is_refused(stub):
+    s = stub(lambda n: (200, _completion()), models=["\ud800"])
+    with pytest.raises(E.EndpointError, match="is not printable text"):
+        E.Endpoint(s.url).resolve_model()
+
+
 @pytest.mark.parametrize("top, lp, ok", [
     ([[{"token": "1", "logprob": -0.1}, {"token": "x", "logprob": -3.0}]], [-0.1], True),  # chat-style lists
     ([{"1": float("-inf")}], [float("-inf")], True),  # a zero probability: floored like vLLM
@@ -499,7 +527,7 @@ def test_perplexity_beyond_float_range_is_an_error_and_the_ladder_is_still_writt
     rc = main(["niah", "--endpoint", s.url, "--model", "smollm2-135m", "--lengths", "256", "--trials", "1",
                "--depths", "0.5", "--ppl-windows", "1", "--out", str(out)])
     doc = json.loads(out.read_text())
-    assert rc == 0 and doc["perplexity"] == {s.url: None} and "beyond float range" in doc["perplexity_errors"][s.url]
+    assert rc == 1 and doc["perplexity"] == {s.url: None} and "beyond float range" in doc["perplexity_errors"][s.url]
 
 
 def test_lengths_past_the_servers_window_and_bad_outs_are_refused_up_front(stub, tmp_path, capsys):
