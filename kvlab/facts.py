@@ -246,6 +246,8 @@ def _lists(sweep, stage: str) -> dict:
         "trap": [f for f, r in by.items() if r["trap"]], "trap_md": names_md([f for f, r in by.items() if r["trap"]]),
         "flips": [f for f, at in fell.items() if any(n not in at for n in lengths if n > at[0])],
         "ref": {n: sweep.counts("filler" if stage == "cached" else stage, "fp32", n) for n in lengths},
+        "ref_text": ", ".join("{}/{} at {}".format(*sweep.counts("filler" if stage == "cached" else stage, "fp32", n),
+                                                  _k(n)) for n in lengths),
         "cell": {(r["kv_format"], r["length"]): r for r in sweep.table(stage)},  # rate, lost, gained, p, verdict
         "c": {f"{r['kv_format']} {r['length']}": r for r in sweep.table(stage)},  # the same, for templates: {G[c][int4 1024]}
         "status": {f: "never worse" if not r["worse_at"] else "worse at " + ", ".join(_k(n) for n in r["worse_at"])
@@ -709,6 +711,15 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                               and not values[k]["prose"]["by"].get(f, {}).get("worse_at")]
     values["multikey_new_md"] = "; ".join(f"`{f}` on {n}" for n, f in values["multikey_new"]) or "none"
     values["multikey_measured"] = [values[k]["name"] for k in keys if values[k]["multikey"]["measured"]]
+    mk = [values[k] for k in keys if values[k]["multikey"]["measured"]]
+    values["multikey_summary_md"] = "" if not mk else (
+        ("* **A harder rung agreed.** " if not values["multikey_new"] else "* **A harder rung found more.** ")
+        + "With two named pass keys in the haystack (4.3), where full precision itself found "
+        + "; ".join(f"{m['multikey']['ref_text']} on {m['name']}" for m in mk)
+        + ", the formats worse than full precision were "
+        + "; ".join(f"{m['multikey']['short_md'] if not m['multikey']['later'] else m['multikey']['short_md'] + ', ' + m['multikey']['later_md']} on {m['name']}" for m in mk)
+        + (": every one already worse on a single needle." if not values["multikey_new"]
+           else f"; worse there only: {values['multikey_new_md']}."))
 
     G = values.get("G")
     S = values.get("S")
