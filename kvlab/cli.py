@@ -425,6 +425,13 @@ def cmd_serve(args) -> int:
 def cmd_serve_sim(args) -> int:
     from . import serving as S
 
+    if args.trace is not None and args.seed != 0:
+        print("kvlab: error: --seed draws a synthetic --workload; a --trace is replayed as recorded", file=sys.stderr)
+        return 2
+    if args.workload == "chat" and args.requests is not None and args.requests % 5:
+        print(f"kvlab: error: --requests for the chat workload counts the turns of 5-turn conversations: give a "
+              f"multiple of 5, got {args.requests}", file=sys.stderr)
+        return 2
     try:
         if args.trace is not None:
             reqs = S.load_trace(args.trace, block_size=args.block_size or 512, limit=args.requests)
@@ -433,7 +440,7 @@ def cmd_serve_sim(args) -> int:
             block = args.block_size or 16
             kw = {"n": args.requests} if args.requests and args.workload != "chat" else {}
             if args.requests and args.workload == "chat":
-                kw = {"conversations": max(1, args.requests // 5)}
+                kw = {"conversations": args.requests // 5}
             reqs = S.WORKLOADS[args.workload](block_size=block, seed=args.seed, **kw)
         res = S.simulate(reqs, args.model, args.gpu, args.kv_dtype, weights_dtype=args.weights_dtype,
                          block_size=block, memory_utilization=args.memory_utilization)

@@ -282,7 +282,9 @@ def get_format(fmt: str | KVFormat) -> KVFormat:
                          "(optionally with +sinksN, +residualN or +rotate, and @global or @sliding)")
     out, seen = FORMATS[base], set()
     for opt in opts:
-        m = re.fullmatch(r"(sinks|residual)([0-9]{1,6})|rotate", opt)
+        m = re.fullmatch(r"(sinks|residual)([0-9]+)|rotate", opt)
+        if m and m[2] and len(m[2].lstrip("0")) > 6:
+            raise ValueError(f"option +{m[1]} in KV format {shown}: at most 999,999 tokens, got {m[2][:40]}")
         if not m:
             raise ValueError(f"unknown option {opt[:40]!r} in KV format {shown}: use +sinksN, +residualN or +rotate")
         kind = m[1] or "rotate"

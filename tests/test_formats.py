@@ -43,7 +43,8 @@ def test_a_layer_type_mix_names_its_layers():
 
 
 @pytest.mark.parametrize("bad, match", [("int4@everywhere", "@global or @sliding"), ("int9", "unknown KV format"),
-                                        ("int4+twist", "unknown option"), ("int4_token@global@sliding", "layer type")])
+                                        ("int4+twist", "unknown option"), ("int4_token@global@sliding", "layer type"),
+                                        ("int4+sinks99999999999", "at most 999,999 tokens")])
 def test_bad_names_say_what_is_wrong(bad, match):
     with pytest.raises(ValueError, match=match):
         get_format(bad)
