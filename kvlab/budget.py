@@ -303,7 +303,15 @@ def shape_from_config(cfg, name: str = "model") -> ModelShape:
     if types:
         if not isinstance(types, list | tuple) or len(types) != n_layers:
             raise ValueError(f"config for {name!r}: layer_types must list one type for each of {n_layers} layers")
-        wins = [window if t in ("sliding_attention", "chunked_attention") else None for t in types]
+        if unknown := sorted({str(t)[:40] for t in types} - {"full_attention", "sliding_attention", "chunked_attention"}):
+            raise ValueError(f"config for {name!r}: layer_types {unknown} are not attention layers kvlab can size "
+                             "(full_attention, sliding_attention, chunked_attention)")
+        chunk = _field(cfg, name, ("attention_chunk_size",), required=False) or window  # Llama 4's chunked layers
+        for kind, size, key in (("sliding_attention", window, "sliding_window"),
+                                ("chunked_attention", chunk, "attention_chunk_size")):
+            if kind in types and size is None:
+                raise ValueError(f"config for {name!r}: layer_types has {kind} layers but {key} is not set")
+        wins = [window if t == "sliding_attention" else chunk if t == "chunked_attention" else None for t in types]
     else:  # e.g. Mistral 7B v0.1: the window applies to every layer
         wins = [window] * n_layers
     layers = tuple(LayerSpec(kv_heads, head_dim, w) for w in wins)

@@ -516,3 +516,22 @@ def test_hostile_budget_inputs_get_named_errors():
         B.fit("llama-3.1-8b", "H100-80GB", ["bf16"])
     with pytest.raises(ValueError, match="context"):
         B.max_concurrency("llama-3.1-8b", 0)
+
+
+@pytest.mark.parametrize("types, extra, match", [
+    (["full_attention", "mamba"], {}, "are not attention layers kvlab can size"),
+    (["sliding_attention", "full_attention"], {}, "sliding_window is not set"),
+    (["chunked_attention", "full_attention"], {}, "attention_chunk_size is not set"),
+])
+def test_layer_types_kvlab_cannot_size_are_refused(types, extra, match):
+    d = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 64, "hidden_size": 256, "layer_types": types} | extra
+    with pytest.raises(ValueError, match=match):
+        B.load_shape(d)
+
+
+def test_chunked_layers_keep_their_chunk():
+    d = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 64, "hidden_size": 256, "layer_types": ["chunked_attention", "full_attention"],
+         "attention_chunk_size": 8192}
+    assert [layer.window for layer in B.load_shape(d).layers] == [8192, None]
