@@ -90,6 +90,8 @@ def base_url(url: str) -> str:
         raise ValueError(f"endpoint URL {shown!r} must start with http:// or https://")
     if not parts.hostname:
         raise ValueError(f"endpoint URL {shown!r} has no host")
+    if any(not c.isprintable() or c.isspace() for c in parts.netloc):
+        raise ValueError(f"endpoint URL {shown!r}: the host has spaces or control characters")
     if parts.query or parts.fragment:
         raise ValueError(f"endpoint URL {shown!r} must not carry a query or fragment")
     path = parts.path.rstrip("/")

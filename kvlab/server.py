@@ -104,7 +104,9 @@ def _json_depth_ok(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
 
 def _error_doc(status: int, message: str) -> dict:
     """The OpenAI-shaped error body every answer but a success carries."""
-    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+    # 501 (a method no server implements here) and 505 (an HTTP version) answer a client's request, not a fault
+    client = status < 500 or status in (501, 505)
+    return {"error": {"message": message, "type": "invalid_request_error" if client else "server_error",
                       "code": status}}
 
 
@@ -150,6 +152,12 @@ class _Handler(BaseHTTPRequestHandler):
         while self.raw_requestline in (b"\r\n", b"\n") and skipped < 8:
             self.raw_requestline = self.rfile.readline(65537)
             skipped += 1
+        if len(self.raw_requestline.split()) == 2:  # "GET /path" with no version: http.server would read headers
+            self.command, self.request_version = self.raw_requestline.split()[0].decode("latin-1"), "HTTP/0.9"
+            self.requestline = self.raw_requestline.decode("latin-1").rstrip("\r\n")
+            self.path, self.close_connection = self.raw_requestline.split()[1].decode("latin-1"), True
+            self.send_error(400, "HTTP/0.9 is not supported", "send 'METHOD /path HTTP/1.1'")  # at once, not at 30 s
+            return False
         if not super().parse_request():
             return False
         if self.request_version == "HTTP/0.9":

@@ -290,6 +290,7 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gpu", ""], "--gpu is empty"),
     (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--host", "::1"], "IPv4 only"),
     (["serve-sim", "--workload", "chat", "--requests", "7"], "give a multiple of 5, got 7"),
+    (["niah", "--endpoint", "http://exa mple.com", "--lengths", "64"], "the host has spaces"),
     (["serve-sim", "--trace", "EMPTY", "--seed", "5"], "a --trace is replayed as recorded"),
 ])
 def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):

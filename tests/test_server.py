@@ -325,6 +325,11 @@ def test_a_burst_of_connections_is_not_dropped(srv):
 def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
     head = _raw(srv, b"GET /health\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 400 ") and b"HTTP/0.9" in head
+    t0 = time.time()
+    with socket.create_connection((srv.host, srv.port), timeout=10) as s:  # one line, no blank line after it
+        s.sendall(b"GET /health\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.0 400 ") and time.time() - t0 < 5  # at once, not at the timeout
+    assert b'"invalid_request_error"' in _raw(srv, b"BREW /pot HTTP/1.1\r\n\r\n")  # 501: the client's mistake
     r = _post(srv, {"prompt": "hi", "add_special_tokens": False, "bogus": 1}, path="/tokenize")
     assert r.status_code == 400 and "'bogus'" in r.json()["error"]["message"]
     assert _post(srv, {"prompt": "hi", "model": "tiny"}, path="/tokenize").json()["count"] >= 1
