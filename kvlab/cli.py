@@ -170,6 +170,8 @@ def _int_list(name):
             raise argparse.ArgumentTypeError(f"{name} must be positive integers, got {text!r}")
         if max(vals) > MAX_LENGTH:
             raise argparse.ArgumentTypeError(f"{name} must be at most {MAX_LENGTH:,} tokens, got {max(vals):,}")
+        if len(set(vals)) < len(vals):
+            raise argparse.ArgumentTypeError(f"{name} lists a value twice: {text!r}")
         return vals
 
     return parse
@@ -182,6 +184,8 @@ def _depth_list(text):
         raise argparse.ArgumentTypeError(f"--depths must be comma-separated numbers, got {text!r}") from None
     if not vals or any(not 0 <= v <= 1 for v in vals):
         raise argparse.ArgumentTypeError(f"--depths must lie in [0, 1], got {text!r}")
+    if len(set(vals)) < len(vals):
+        raise argparse.ArgumentTypeError(f"--depths lists a value twice: {text!r}")
     return vals
 
 

@@ -291,6 +291,8 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--host", "::1"], "IPv4 only"),
     (["serve-sim", "--workload", "chat", "--requests", "7"], "give a multiple of 5, got 7"),
     (["niah", "--endpoint", "http://exa mple.com", "--lengths", "64"], "the host has spaces"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--lengths", "64,64"], "lists a value twice"),
+    (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--depths", "0.5,0.5"], "lists a value twice"),
     (["serve-sim", "--trace", "EMPTY", "--seed", "5"], "a --trace is replayed as recorded"),
 ])
 def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
