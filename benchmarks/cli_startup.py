@@ -28,6 +28,8 @@ COMMANDS = {
     "python -c pass (floor)": ["-c", "pass"],
     "kvlab budget (preset, --gpu)": ["-m", "kvlab", "budget", "--model", "llama-3.1-70b", "--batch", "8",
                                      "--context", "32768", "--kv-dtype", "fp8", "--gpu", "H100-80GB", "--json"],
+    "kvlab budget (folder config: kvlab-tiny)": ["-m", "kvlab", "budget", "--model", "kvlab-tiny", "--batch", "1",
+                                                "--context", "1000", "--json"],
     "kvlab formats --engines": ["-m", "kvlab", "formats", "--engines"],
     "kvlab serve-sim (rag workload)": ["-m", "kvlab", "serve-sim", "--workload", "rag", "--model", "llama-3.1-8b",
                                        "--gpu", "L4", "--json"],
