@@ -258,6 +258,7 @@ def _lists(sweep, stage: str) -> dict:
 def _model_facts(sweep) -> dict:
     """What one model's long sweep says, rung by rung (the sentences of 4.1-4.3 read these)."""
     f = _lists(sweep, "filler")
+    prose_worse = {n for n, r in _lists(sweep, "prose")["by"].items() if r["worse_at"]}
     if not f["measured"]:
         raise ValueError(f"the {sweep.model} sweep has no filler prompts")
     ref = f["ref"]
@@ -284,9 +285,10 @@ def _model_facts(sweep) -> dict:
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
         "bits": {n: d.get("bits_per_element") for n, d in sweep.header["formats"].items()},
+        # never worse in either haystack (the takeaways' "held": a format worse in prose did not hold)
         "never_low_md": ", ".join(f"`{n}` ({sweep.header['formats'][n]['bits_per_element']:.3g} bits)"
-                                  for n in f["never"] if _low_bit(n)) or "none",
-        "never_8bit_md": names_md([n for n in f["never"] if not _low_bit(n)]),
+                                  for n in f["never"] if _low_bit(n) and n not in prose_worse) or "none",
+        "never_8bit_md": names_md([n for n in f["never"] if not _low_bit(n) and n not in prose_worse]),
     }
 
 
@@ -367,6 +369,10 @@ def _stage_md(models: list[dict], stage: str) -> str:
                          f"{m['model']} --stages {stage}{extra}` adds it to the shipped sweep).")
             continue
         ref = ", ".join(f"{c}/{t} at {_k(n)}" for n, (c, t) in st["ref"].items())
+        if len(st["lengths"]) == 1:  # one length: "already" and "only at longer lengths" would mean nothing
+            lines.append(f"* **{m['name']}** (measured at {st['shortest_k']} only; full precision {ref}): never worse: "
+                         f"{st['never_md']}; worse: {st['short_md']}.")
+            continue
         lines.append(f"* **{m['name']}** ({st['lengths_text']}; full precision {ref}): never worse: {st['never_md']}; "
                      f"worse already at {st['shortest_k']}: {st['short_md']}; worse only at longer lengths: "
                      f"{st['later_md']}.")
@@ -407,7 +413,12 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
 
         def verdicts(m, f=f):
             filler, prose = m["status"].get(f, "—"), m["prose"]["status"].get(f)
-            return filler if prose in (None, filler) else f"{filler}; in prose {prose}"
+            out = filler if prose in (None, filler) else f"{filler}; in prose {prose}"
+            r = m["by"].get(f)
+            if r is None or r["ppl_increase"] is None:
+                return out
+            ppl = f"perplexity {r['ppl_increase']:+.1%}"
+            return f"{out}; {ppl if r['ppl_ok'] else '**' + ppl + '**'}"
 
         out.append(f"| `{f}` | " + " | ".join(verdicts(m) for m in models)
                    + f" | {'; '.join(flags) or 'none (kvlab only)'} |")
@@ -634,10 +645,12 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     alarms = [(n, f) for n, f in held_low if not values[CH4_KEYS[next(m for m in sweeps if CH4_NAMES.get(m) == n)]]["by"][f]["ppl_ok"]]
     values |= {"n_held_low": len(held_low), "n_alarms": len(alarms),
                "alarms_md": "; ".join(f"`{f}` on {n}" for n, f in alarms) or "none",
-               "n_tests": sum(1 for k in keys for st in (values[k], values[k]["prose"], values[k]["cached"])
+               "n_tests": sum(1 for k in keys for st in (values[k], values[k]["prose"], values[k]["cached"],
+                                                          values[k]["multikey"])
                              for f, _ in st.get("cell", {}) if f != "fp32"), "min_detect": fewest_prompts_to_detect(),
                "undetectable": fewest_prompts_to_detect() - 1}
-    values["formats_md"] = _formats_md(values["figure_formats"] + list(CH4_MITIGATIONS))
+    values["formats_md"] = _formats_md(values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:]
+                                       + list(CH4_MITIGATIONS))
     values["flags_md"] = _flags_md([values[k] for k in keys], list(dict.fromkeys(
         values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:])))
     for model in sweeps:
@@ -691,6 +704,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["grows_names_md"] = names_md(m["grows_common"], empty="no format")
         m["lost_md"] = {f: ", ".join(str(x) for x in xs) for f, xs in lost.items()}
         m["prose_status"] = {f: m["prose"]["status"].get(f, "not run in prose") for f in m["by"]}
+        m["prose_spared"] = [f for f, r in m["prose"]["by"].items() if not r["worse_at"] and m["by"][f]["worse_at"]]
+        m["prose_spared_md"] = names_md(m["prose_spared"])
         m["single_cell"] = [f for f, r in m["by"].items() if len(r["worse_at"]) == 1]
         m["single_cell_md"] = ", ".join(f"`{f}` ({_k(m['by'][f]['worse_at'][0])})" for f in m["single_cell"]) or "none"
         m["longest_grow_k"] = _k(m["lengths"][max(m["grows_to"].values(), default=len(upto)) - 1])
@@ -713,12 +728,13 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["multikey_measured"] = [values[k]["name"] for k in keys if values[k]["multikey"]["measured"]]
     mk = [values[k] for k in keys if values[k]["multikey"]["measured"]]
     values["multikey_summary_md"] = "" if not mk else (
-        ("* **A harder rung agreed.** " if not values["multikey_new"] else "* **A harder rung found more.** ")
-        + "With two named pass keys in the haystack (4.3), where full precision itself found "
+        ("* **A harder rung found nothing new.** " if not values["multikey_new"] else "* **A harder rung found more.** ")
+        + "With two named pass keys in the haystack (4.3), where full precision itself found only "
         + "; ".join(f"{m['multikey']['ref_text']} on {m['name']}" for m in mk)
         + ", the formats worse than full precision were "
         + "; ".join(f"{m['multikey']['short_md'] if not m['multikey']['later'] else m['multikey']['short_md'] + ', ' + m['multikey']['later_md']} on {m['name']}" for m in mk)
-        + (": every one already worse on a single needle." if not values["multikey_new"]
+        + (": every one already worse on a single needle. With full precision that low, this rung can show fewer "
+           "losses than the single needle, so read it as a check, not a stricter test." if not values["multikey_new"]
            else f"; worse there only: {values['multikey_new_md']}."))
 
     G = values.get("G")
@@ -788,7 +804,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     }
     S = values.get("S")
     both = [m for m in (G, S) if m is not None]
-    later_ppl = sorted((m["ppl"][f], f) for m in both for f in m["later"] if f in m["ppl"])
+    # the loosest bar that still lets no format through: the smallest perplexity among the formats that passed the
+    # short needle and lost a longer one, in either haystack
+    later_ppl = sorted({(m["ppl"][f], f) for m in both for f in m["later"] + m["prose"]["later"] if f in m["ppl"]})
     values["trap_at"], values["trap_first"] = later_ppl[0] if later_ppl else (None, None)
     values["never_both"] = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]
     values["never_both_md"] = names_md(values["never_both"])
