@@ -813,6 +813,12 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["trap_at"], values["trap_first"] = later_ppl[0] if later_ppl else (None, None)
     values["never_both"] = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]
     values["never_both_md"] = names_md(values["never_both"])
+    # what "never worse" still allows: each of those formats' discordant prompts pooled over every filler length
+    values["never_both_pooled_md"] = "; ".join(
+        f"`{f}` " + ", ".join(f"{sum(lo for lo, _ in m['lost_gained'][f])}/{sum(ga for _, ga in m['lost_gained'][f])}"
+                              f" on {m['name'].split()[0].split('-')[0]}" for m in both)
+        for f in values["never_both"]) + " (of " + ", ".join(
+        f"{m['prompts'] * len(m['lengths'])} prompts on {m['name'].split()[0].split('-')[0]}" for m in both) + ")"
     both_claims = {
         "FP8, INT8 and q8_0 were never worse on either model":
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
