@@ -476,6 +476,7 @@ def _gives_up_in_time(url: str, timeout: float) -> None:
     assert time.time() - t0 < timeout + 3.5
 
 
+@pytest.mark.slow  # seconds: in make test, not make quick
 def test_timeout_bounds_the_whole_answer_not_each_read():
     """A server that drips its answer a byte at a time is cut off after --timeout, not after the last byte."""
     class Drip(BaseHTTPRequestHandler):

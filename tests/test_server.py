@@ -183,6 +183,7 @@ def test_log_probabilities_are_finite_json(srv):
         S._logprob(float("nan"))
 
 
+@pytest.mark.slow  # seconds: in make test, not make quick
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=st.dictionaries(st.sampled_from(sorted(S.FIELDS) + ["junk"]),
                             st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=False),

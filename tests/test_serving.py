@@ -43,6 +43,7 @@ def test_lru_hit_rate_never_drops_as_the_pool_grows():
     assert rates == sorted(rates) and rates[-1] > rates[0]
 
 
+@pytest.mark.slow  # seconds: in make test, not make quick
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from(["system-prompt", "chat", "rag", "few-shot"]), st.integers(30, 400), st.integers(0, 50))
 def test_bytes_held_never_exceed_the_pool(workload, blocks, seed):
