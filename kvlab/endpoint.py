@@ -595,7 +595,10 @@ def _result(records: list[dict], label: str, task: str) -> EvalResult:
             c[0] += bool(r["correct"])
             c[1] += 1
     rows = [{"length": n, "depth": d, "trials": t, "correct": c} for (n, d), (c, t) in sorted(cells.items())]
-    return EvalResult(task, records[0].get("model") or "?" if records else "?", label, rows)
+    # the KV format is what the server says it stores (kvlab serve: kv_format; others: kv_cache_dtype), else unknown
+    said = [st.get("kv_format") or st.get("kv_cache_dtype") for r in records if isinstance(st := r.get("settings"), dict)]
+    fmt = next((str(x) for x in said if x), "not reported by the server")
+    return EvalResult(task, records[0].get("model") or "?" if records else "?", fmt, rows, meta={"endpoint": label})
 
 
 def side_by_side(records: list[dict], teacher_url: str, student_url: str | None = None) -> dict:

@@ -359,6 +359,16 @@ def test_a_journal_from_other_settings_is_refused_not_reused(stub, tmp_path):
         E.run_ladder([E.Endpoint(other.url)], _prompts(2), journal, progress=False)
 
 
+def test_a_result_names_the_servers_kv_format_not_its_url(stub, tmp_path):
+    s = stub(lambda n: (200, _completion()))
+    recs = E.run_ladder([E.Endpoint(s.url)], _prompts(2), tmp_path / "j.jsonl", progress=False)
+    r = E.side_by_side(recs, s.url)["results"][E.base_url(s.url)]
+    assert r["kv_format"] == "not reported by the server" and r["meta"]["endpoint"] == E.base_url(s.url)
+    for rec in recs:
+        rec["settings"] = rec["settings"] | {"kv_cache_dtype": "fp8"}  # what vLLM-like servers report
+    assert E.side_by_side(recs, s.url)["results"][E.base_url(s.url)]["kv_format"] == "fp8"
+
+
 def test_a_journal_line_missing_its_answer_is_asked_again(stub, tmp_path):
     s = stub(lambda n: (200, _completion()))
     journal = tmp_path / "j.jsonl"
