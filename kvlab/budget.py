@@ -334,7 +334,10 @@ def estimate_parameters(cfg) -> int | None:
     hd = g("head_dim") or h // heads
     attn = h * hd * heads * 2 + h * hd * kvh * 2
     mlp = 3 * h * inter
-    emb = V * h * (1 if getattr(cfg, "tie_word_embeddings", True) else 2)
+    tied = getattr(cfg, "tie_word_embeddings", True)
+    if not isinstance(tied, bool):  # "no" is truthy: a config that means false must say false
+        raise ValueError(f"config: tie_word_embeddings must be true or false, got {str(tied)[:40]!r}")
+    emb = V * h * (1 if tied else 2)
     return int(L * (attn + mlp + 2 * h) + emb + h)
 
 

@@ -535,3 +535,10 @@ def test_chunked_layers_keep_their_chunk():
          "head_dim": 64, "hidden_size": 256, "layer_types": ["chunked_attention", "full_attention"],
          "attention_chunk_size": 8192}
     assert [layer.window for layer in B.load_shape(d).layers] == [8192, None]
+
+
+def test_a_config_whose_tie_word_embeddings_is_not_a_boolean_is_refused():
+    d = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 64, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": "no"}
+    with pytest.raises(ValueError, match="tie_word_embeddings must be true or false"):
+        B.load_shape(d)
