@@ -238,7 +238,7 @@ class Endpoint:
         data = doc.get("data")
         if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
             raise EndpointError(f"{self.url}/v1/models: expected {{'data': [{{'id': ...}}]}}, got {str(doc)[:200]}")
-        if bad := [m["id"] for m in data if not _printable(m["id"]) == m["id"] or not m["id"]]:
+        if bad := [m["id"] for m in data if _printable(m["id"]) != m["id"] or not m["id"]]:
             raise EndpointError(f"{self.url}/v1/models: model id {_printable(bad[0])[:80]!r} is not printable text "
                                 "(empty, control characters or lone surrogates)")
         self._listed = {m["id"]: m for m in data}
