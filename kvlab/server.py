@@ -12,6 +12,7 @@ streaming, no batching. The standard library's ``ThreadingHTTPServer`` does the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -317,8 +318,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         srv = self.server.kvlab
+        with contextlib.ExitStack() as answer:
+            self._post(srv, answer)
+
+    def _post(self, srv, answer):
         try:
             body = self._body()
+            # from here a shutdown waits until this request's answer (a 503 if cut short) is written
+            answer.enter_context(srv.answering())
             if self.path == "/v1/completions":
                 return self._send(200, srv.complete(body, gone=self._client_gone))
             if self.path == "/tokenize":
@@ -439,6 +446,8 @@ class CompletionServer:
         self.max_body = 65536 + max(6 * self.max_prompt_chars, 12 * self.max_context)
         self._lock = threading.Lock()
         self.stopping = threading.Event()  # set on shutdown: a generation in progress ends with a 503
+        self._answering = 0  # POST requests between arriving and their answer being written
+        self._answered = threading.Condition()
         self.httpd = _Server((host, port), _Handler)
         self.httpd.kvlab = self
         self.host, self.port = host, self.httpd.server_address[1]
@@ -464,12 +473,27 @@ class CompletionServer:
 
     def stop_generating(self, timeout: float = 60.0) -> bool:
         """End any generation in progress (its client gets a 503) and wait for the model to be free, so the
-        process never exits while a thread is inside torch (which aborts the interpreter). False on timeout."""
+        process never exits while a thread is inside torch (which aborts the interpreter) or before a cut-short
+        request has its answer. False on timeout."""
         self.stopping.set()
+        deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             return False
         self._lock.release()
-        return True
+        # the generation has ended; let its handler write the 503 before the process may exit
+        with self._answered:
+            return self._answered.wait_for(lambda: self._answering == 0, max(0.0, deadline - time.monotonic()))
+
+    @contextlib.contextmanager
+    def answering(self):
+        with self._answered:
+            self._answering += 1
+        try:
+            yield
+        finally:
+            with self._answered:
+                self._answering -= 1
+                self._answered.notify_all()
 
     def _check(self, gone) -> None:
         if self.stopping.is_set():
