@@ -88,10 +88,10 @@ gpu: $(STAMP)
 # The real engines beside kvlab (not part of `make test`): builds llama.cpp from source through
 # llama-cpp-python (about 10 minutes on 2 cores; a portable AVX2 build: the default native build with
 # AVX-512/AMX crashed in its first decode on the machine this was written on), then compares.
-LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_CPP_PYTHON := llama-cpp-python[server]==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF
 peers: $(STAMP)
-	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet "$(LLAMA_CPP_PYTHON)[server]" "torch==$(TORCH_VERSION)"
+	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet "$(LLAMA_CPP_PYTHON)" "torch==$(TORCH_VERSION)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python scripts/compare_engines.py --llama-cpp
 	$(BIN)/python scripts/compare_engines.py --llama-server
 	$(BIN)/python scripts/compare_engines.py --quanto
