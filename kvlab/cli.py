@@ -109,8 +109,9 @@ def cmd_budget(args) -> int:
                 max_concurrency=B.max_concurrency(args.model, args.context, b.kv_format, f.gpu, args.weights_dtype, **kw),
                 max_context=B.max_context(args.model, args.batch, b.kv_format, f.gpu, args.weights_dtype, **kw),
             )
-            if f.free_for_cache_per_gpu < 0:  # say how far the weights overflow, never a negative free size
-                out["weights_over_by_bytes"] = -f.free_for_cache_per_gpu
+            if f.free_for_cache_per_gpu < 0:  # say how far weights + reserve overflow, never a negative free size
+                out["reserve_bytes_per_gpu"] = f.reserve_bytes_per_gpu
+                out["weights_and_reserve_over_by_bytes"] = -f.free_for_cache_per_gpu
     except (ValueError, TypeError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
@@ -403,16 +404,23 @@ def cmd_serve(args) -> int:
     if why := _listen_problem(args.host, args.port):
         print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
+    # said before the model loads, so a standard output that cannot be written (a full disk) fails now, not later
+    print(f"kvlab: loading {args.model} ...", flush=True)
     from .models import load_model  # the model stack, after the cheap checks
     from .server import CompletionServer
     try:
         model, tok = load_model(args.model)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if args.max_model_len and positions and args.max_model_len > positions:
+            raise ValueError(f"--max-model-len {args.max_model_len} is longer than the model's "
+                             f"{positions:,} positions (max_position_embeddings)")
         srv = CompletionServer(model, tok, args.kv_format, name=args.name, host=args.host, port=args.port,
-                               prefill_mode=args.prefill)
+                               prefill_mode=args.prefill, max_context=args.max_model_len)
     except (ValueError, OSError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
-    print(f"kvlab: serving {srv.name} with a {srv.fmt.name} KV cache at {srv.url}/v1", flush=True)
+    print(f"kvlab: serving {srv.name} with a {srv.fmt.name} KV cache (prompt + answer up to {srv.max_context:,} "
+          f"tokens) at {srv.url}/v1", flush=True)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
@@ -539,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: a fresh prompt attends in full precision and only the stored cache is quantized "
                         "(as transformers' QuantizedCache does); cached: it reads the quantized cache (as vLLM V1 "
                         "and llama.cpp do)")
+    v.add_argument("--max-model-len", type=_int("--max-model-len", 1, 2**31), default=None,
+                   help="longest prompt + answer it accepts, in tokens (vLLM's flag; default and upper bound: the "
+                        "model's max_position_embeddings)")
     v.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("serve-sim", help="replay a workload or trace through one replica's prefix-cached KV pool")

@@ -164,6 +164,12 @@ class _Handler(BaseHTTPRequestHandler):
         if self.request_version == "HTTP/0.9":
             self.send_error(400, "HTTP/0.9 is not supported", "send 'METHOD /path HTTP/1.1'")
             return False
+        # a line without a colon ends the header block for the email parser, which silently drops every header
+        # after it (Content-Length included); a folded line (obs-fold) is refused too, as RFC 9112, 5.2 allows
+        if self.headers.defects or self.headers.get_payload() or any("\n" in v for v in self.headers.values()):
+            self.close_connection = True
+            self.send_error(400, "Malformed header line", "every header line must be 'Name: value' on one line")
+            return False
         return True
 
     def setup(self):

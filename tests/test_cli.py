@@ -237,6 +237,12 @@ def test_a_result_is_never_lost_to_a_full_disk(tmp_path, capsys, monkeypatch):
     assert main(["formats"]) == 1
     assert "cannot write the output (No space left on device)" in capsys.readouterr().err
 
+    # serve says so before loading its model (it used to fail only after the load, on its first line)
+    import kvlab.models
+    monkeypatch.setattr(kvlab.models, "load_model", lambda *a: pytest.fail("serve loaded the model first"))
+    assert main(["serve", "--model", "kvlab-tiny", "--kv-format", "int8"]) == 1
+    assert "cannot write the output (No space left on device)" in capsys.readouterr().err
+
 
 def test_a_closed_standard_output_is_one_line_not_a_traceback():
     import subprocess
@@ -304,6 +310,23 @@ def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err
     assert time.perf_counter() - t < 5  # before any model loads
+
+
+def test_serve_takes_vllms_max_model_len_up_to_the_models_positions(capsys, monkeypatch):
+    from kvlab.server import CompletionServer
+
+    assert run(["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--max-model-len", "40000"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-model-len 40000 is longer than the model's 32,768 positions" in err and "Traceback" not in err
+    seen = {}
+
+    def serve_forever(self):
+        seen["max_context"] = self.max_context
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CompletionServer, "serve_forever", serve_forever)
+    assert run(["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--port", "0", "--max-model-len", "64"]) == 0
+    assert seen == {"max_context": 64} and "up to 64 tokens" in capsys.readouterr().out
 
 
 def test_a_chain_takes_its_own_default_depths():

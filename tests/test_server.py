@@ -340,6 +340,15 @@ def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
     assert _post(srv, {"prompt": "hi", "model": "tiny"}, path="/tokenize").json()["count"] >= 1
 
 
+@pytest.mark.parametrize("headers", [b"Host: x\r\nNoColonHere\r\nContent-Length: 2\r\n",
+                                     b"Host: x\r\n folded\r\nContent-Length: 2\r\n"])
+def test_a_header_line_that_is_not_name_colon_value_is_refused(srv, headers):
+    # the email parser would end the headers at such a line and drop Content-Length after it
+    head = _raw(srv, b"POST /v1/completions HTTP/1.1\r\n" + headers + b"\r\n{}")
+    assert head.startswith(b"HTTP/1.0 400 ") and b"Malformed header line" in head, head[:300]
+    assert _raw(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.0 200 ")
+
+
 @pytest.mark.parametrize("line", [b"POST /v1/completions\r\n\r\n", b"GET /health HTTP/9.9\r\n\r\n", b"GET /health HTTP/1.1x\r\n\r\n",
                                   b"GET\r\n\r\n", b"GET / a b HTTP/1.1\r\n\r\n", b"\x00\xff\xfe junk\r\n\r\n"])
 def test_every_malformed_request_line_gets_a_status_line(srv, line):
