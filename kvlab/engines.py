@@ -152,7 +152,9 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     The prompts are the ones chapter 4's sweep used (:func:`kvlab.tasks.sweep_prompts`), fed as token
     ids (the GGUF carries the same tokenizer). K and V are both stored as each of ``cache_types``, with
     flash attention on (llama.cpp needs it for a quantized V). Returns ``{cache type: {"rows": [{length,
-    depth, trials, correct}], "seconds": s}}``.
+    depth, trials, correct, outcomes}], "seconds": s}}``; ``outcomes`` holds each prompt's exact match in
+    the order :func:`~kvlab.tasks.sweep_prompts` made them, so the answers can be paired with kvlab's on the
+    same prompts (:func:`kvlab.results.llamacpp_paired`).
 
     What cannot agree bit for bit with kvlab's emulation: llama.cpp runs the file's own Q4_1 weights
     (kvlab dequantizes them to float32 once), and its CPU dot products quantize activations too. Compare
@@ -183,15 +185,15 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
         rows, t0 = [], time.time()
         cells = [(n, float(d)) for n in lengths for d in depths]
         for n, d in tqdm(cells, desc=f"llama.cpp {ct}", disable=not progress, leave=False):
-            correct = 0
+            outcomes = []
             for ex in sweep_prompts(tasks.passkey, tok, n, d, trials, seed):
                 got = []
                 for t in llm.generate(ex.input_ids, top_k=1, temp=0.0, reset=True):
                     got.append(t)
                     if len(got) == len(ex.answer_ids):
                         break
-                correct += got == ex.answer_ids
-            rows.append({"length": n, "depth": d, "trials": trials, "correct": correct})
+                outcomes.append(got == ex.answer_ids)
+            rows.append({"length": n, "depth": d, "trials": trials, "correct": sum(outcomes), "outcomes": outcomes})
         out[ct] = {"rows": rows, "seconds": round(time.time() - t0, 1)}
         del llm
     return out

@@ -621,3 +621,58 @@ def llamacpp_vs_kvlab(llama: dict, sweep: dict) -> dict:
             n: {"llama.cpp": counts(pick(res["rows"]), length=n), "kvlab": counts(pick(ours), length=n)}
             for n in sorted({n for n, _ in cells})}}
     return out
+
+
+def _paired(fmt: str, reference: str, a: list[bool], b: list[bool]) -> Paired:
+    return Paired(fmt, reference, len(a), sum(a), sum(b), lost=sum(y and not x for x, y in zip(a, b)),
+                  gained=sum(x and not y for x, y in zip(a, b)))
+
+
+def llamacpp_paired(llama: dict, sweep: LongSweep) -> dict:
+    """llama.cpp's cache types against kvlab's on the identical prompts of a long sweep, prompt by prompt.
+
+    ``llama`` is ``data/results/engines_llamacpp_gemma3.json`` (rows with per-prompt ``outcomes``, made by
+    ``scripts/compare_engines.py --llama-cpp --model gemma3-270m`` on the sweep's filler prompts); ``sweep``
+    the model's :class:`LongSweep`. llama.cpp writes K and V to its cache before the prompt attends, so its
+    quantized types are set beside kvlab's ``"cached"`` stage where the sweep has that format at that length,
+    and beside the ``"filler"`` stage (prompt attending in full precision) otherwise: ``kvlab_stage`` says
+    which. Returns ``{cache type: {length: {"preset", "kvlab_stage", "engine": Paired (cache type vs llama.cpp's
+    f16), "kvlab": Paired (preset vs kvlab's fp32), "between": Paired (llama.cpp vs kvlab, same cache)}}}``.
+    """
+    def mine(rows, n):
+        got = {}
+        for r in rows:
+            if r["length"] == n:
+                if len(r.get("outcomes") or []) != r["trials"]:
+                    raise ValueError(f"llama.cpp row at {n} tokens, depth {r['depth']}: no per-prompt outcomes "
+                                     "(rerun scripts/compare_engines.py --llama-cpp --model gemma3-270m)")
+                got |= {(float(r["depth"]), i): bool(x) for i, x in enumerate(r["outcomes"])}
+        return got
+
+    types = llama["cache_types"]
+    if "f16" not in types:
+        raise ValueError("the llama.cpp results need its f16 cache as the reference")
+    out = {}
+    for ct, res in types.items():
+        preset = LLAMA_TO_PRESET[ct]
+        for n in sorted({r["length"] for r in res["rows"]}):
+            eng, ref = mine(res["rows"], n), mine(types["f16"]["rows"], n)
+            if preset == "fp16":  # each side's full-precision cache: llama.cpp's f16, the sweep's fp32
+                stage, col = "filler", "fp32"
+            else:
+                stage, col = ("cached" if sweep.counts("cached", preset, n)[1] else "filler"), preset
+            ours = {k: c[col] for k, c in sweep._by_prompt(stage, n).items() if col in c}
+            if not ours:
+                raise ValueError(f"the long sweep has no {col!r} at {n} tokens")
+            base = {k: c["fp32"] for k, c in sweep._by_prompt("filler", n).items() if "fp32" in c}
+            keys = sorted(set(eng) & set(ref) & set(ours) & set(base))
+            if not keys:
+                raise ValueError(f"llama.cpp {ct} and the long sweep share no prompt at {n} tokens")
+            out.setdefault(ct, {})[n] = {
+                "preset": preset, "kvlab_stage": stage,
+                "engine": _paired(f"llama.cpp {ct}", "llama.cpp f16", [eng[k] for k in keys], [ref[k] for k in keys]),
+                "kvlab": _paired(f"kvlab {preset}", "kvlab fp32", [ours[k] for k in keys], [base[k] for k in keys]),
+                "between": _paired(f"llama.cpp {ct}", f"kvlab {preset}", [eng[k] for k in keys],
+                                   [ours[k] for k in keys])}
+    return out
+

@@ -6,6 +6,11 @@ sweep (:func:`kvlab.engines.llamacpp_passkey`). Writes ``data/results/engines_ll
 puts it beside kvlab's emulation of the same cache types. ``--quick`` runs only the first case (f16, one
 prompt at 512 tokens) and writes nowhere unless ``--out`` is given.
 
+``--llama-cpp --model gemma3-270m``: the same on Gemma 3 270M's GGUF file (Q4_K_M weights), by default at
+8,192 tokens on the prompts of the long sweep's filler stage (``scripts/sweep_long.py``: same seed, depths and
+prompts a depth), so each answer pairs with kvlab's on the identical prompt. Writes
+``data/results/engines_llamacpp_gemma3.json``.
+
 ``--llama-server``: the same comparison the way a reader would run it against real deployments: two
 llama.cpp servers (``python -m llama_cpp.server``, OpenAI-compatible) on the same GGUF, one with an f16
 cache and one with q4_0, on loopback, measured with ``kvlab niah --endpoint ... --compare ...``. Writes
@@ -23,6 +28,7 @@ versions, machine and run time; chapter 4 reads it.
     python scripts/compare_engines.py --quanto [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --hqq [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --llama-cpp [--lengths 512 2048] [--trials 5]   # 8192 adds ~45 min on 2 cores
+    python scripts/compare_engines.py --llama-cpp --model gemma3-270m [--lengths 8192 32768]
     python scripts/compare_engines.py --llama-server [--lengths 512 2048] [--trials 3]
 """
 
@@ -55,6 +61,8 @@ def main(argv=None) -> dict:
     which.add_argument("--llama-cpp", action="store_true", help="llama.cpp on the GGUF file (make peers)")
     which.add_argument("--llama-server", action="store_true",
                        help="two llama.cpp servers (f16, q4_0 cache) compared with kvlab niah --endpoint")
+    p.add_argument("--model", choices=["smollm2-135m", "gemma3-270m"], default="smollm2-135m",
+                   help="llama.cpp: whose GGUF file runs (gemma3-270m pairs with the long sweep's prompts)")
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=5)
@@ -64,14 +72,17 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)
+    gemma = args.model == "gemma3-270m"
+    if gemma and not args.llama_cpp:
+        p.error("--model gemma3-270m is for --llama-cpp")
     if not args.lengths:  # llama.cpp at 8192 tokens adds ~45 minutes on 2 cores: pass --lengths to include it
-        args.lengths = [512, 1024, 2048] if args.quanto or args.hqq else [512, 2048]
+        args.lengths = [8192] if gemma else [512, 1024, 2048] if args.quanto or args.hqq else [512, 2048]
     if args.trials < 1 or args.new_tokens < 2 or min(args.lengths) < 64:
         p.error("--trials must be >= 1, --new-tokens >= 2 and every length >= 64")
     if not all(0 <= d <= 1 for d in args.depths):
         p.error("--depths must be in [0, 1]")
     if args.out is None and not args.quick:
-        args.out = RESULTS_DIR / ("engines_llamacpp.json" if args.llama_cpp else "engines_llamacpp_server.json"
+        args.out = RESULTS_DIR / (("engines_llamacpp_gemma3.json" if gemma else "engines_llamacpp.json") if args.llama_cpp else "engines_llamacpp_server.json"
                                   if args.llama_server else "engines_hqq.json" if args.hqq else "engines_quanto.json")
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         p.error(f"--out {args.out}: must be a file in an existing folder")
@@ -103,17 +114,22 @@ def main(argv=None) -> dict:
 def llama(args) -> dict:
     from transformers import AutoTokenizer
 
-    from kvlab.models import smollm2_folder, smollm2_gguf
+    from kvlab.models import gemma3_folder, gemma3_gguf, smollm2_folder, smollm2_gguf
 
-    tok = AutoTokenizer.from_pretrained(smollm2_folder())
+    gemma = args.model == "gemma3-270m"
+    tok = AutoTokenizer.from_pretrained(gemma3_folder() if gemma else smollm2_folder())
     kw = dict(lengths=args.lengths, depths=args.depths, trials=args.trials)
     if args.quick:
         kw = dict(cache_types=("f16",), lengths=[512], depths=[0.5], trials=1)
     t = time.time()
-    res = engines.llamacpp_passkey(smollm2_gguf(), tok, progress=not args.quick, **kw)
-    doc = {"what": "llama.cpp (llama-cpp-python) running SmolLM2-135M-Instruct's GGUF file (Q4_1 weights) with K and "
-                   "V cache types f16 / q8_0 / q4_0, flash attention on; passkey exact match on chapter 4's sweep "
-                   "prompts (filler haystack), fed as token ids",
+    res = engines.llamacpp_passkey(gemma3_gguf() if gemma else smollm2_gguf(), tok, progress=not args.quick, **kw)
+    who = ("Gemma 3 270M's GGUF file (Q4_K_M weights)" if gemma
+           else "SmolLM2-135M-Instruct's GGUF file (Q4_1 weights)")
+    prompts = ("the long sweep's filler-stage prompts (scripts/sweep_long.py, seed 0)" if gemma
+               else "chapter 4's sweep prompts (filler haystack)")
+    doc = {"what": f"llama.cpp (llama-cpp-python) running {who} with K and V cache types f16 / q8_0 / q4_0, flash "
+                   f"attention on; passkey exact match on {prompts}, fed as token ids",
+           "model": args.model,
            "lengths": kw["lengths"], "depths": kw["depths"], "trials": kw["trials"], "cache_types": res,
            "versions": {"llama-cpp-python": md.version("llama-cpp-python"), "torch": torch.__version__},
            "build": os.environ.get("CMAKE_ARGS", ""), "machine": cpu_model(), "threads": os.cpu_count(),

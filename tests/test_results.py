@@ -293,3 +293,33 @@ def test_llamacpp_beside_kvlab_joins_the_same_cells():
     sweep["formats"]["q4_0"]["passkey"] = sweep["formats"]["q4_0"]["passkey"][2:]
     with pytest.raises(ValueError, match="share no"):
         R.llamacpp_vs_kvlab(llama, sweep)
+
+
+def test_llamacpp_is_paired_with_the_long_sweep_prompt_by_prompt(tmp_path):
+    """llama.cpp's quantized caches sit beside kvlab's "cached" stage where it has the format (the prompt reads
+    the cache in both), beside the "filler" stage otherwise; f16 beside the sweep's fp32."""
+    header = {"kind": "header", "model": "m", "formats": {"fp32": {}, "q4_0": {}, "q8_0": {}}}
+    recs = [_rec("filler", 64, 0.0, i, fp32=True, q4_0=True, q8_0=i != 0) for i in range(4)]
+    recs += [_rec("cached", 64, 0.0, i, q4_0=i >= 2) for i in range(4)]  # the prompt reading q4_0 loses two
+    s = R.LongSweep.load(_write(tmp_path, recs, header))
+
+    def row(*outcomes):
+        return {"length": 64, "depth": 0.0, "trials": len(outcomes), "correct": sum(outcomes), "outcomes": list(outcomes)}
+
+    llama = {"cache_types": {"f16": {"rows": [row(True, True, True, False)]},
+                             "q8_0": {"rows": [row(True, True, True, True)]},
+                             "q4_0": {"rows": [row(False, True, False, False)]}}}
+    t = R.llamacpp_paired(llama, s)
+    q4 = t["q4_0"][64]
+    assert q4["preset"] == "q4_0" and q4["kvlab_stage"] == "cached"
+    assert (q4["engine"].lost, q4["engine"].gained) == (2, 0)  # vs llama.cpp's own f16 on the same prompts
+    assert (q4["kvlab"].lost, q4["kvlab"].gained, q4["kvlab"].prompts) == (2, 0, 4)  # kvlab's cached q4_0 vs fp32
+    assert (q4["between"].lost, q4["between"].gained) == (2, 1)  # prompt by prompt, llama.cpp vs kvlab
+    q8 = t["q8_0"][64]
+    assert q8["kvlab_stage"] == "filler" and (q8["engine"].gained, q8["kvlab"].lost) == (1, 1)
+    assert t["f16"][64]["kvlab_stage"] == "filler" and t["f16"][64]["between"].lost == 1
+    llama["cache_types"]["q4_0"]["rows"][0].pop("outcomes")
+    with pytest.raises(ValueError, match="no per-prompt outcomes"):
+        R.llamacpp_paired(llama, s)
+    with pytest.raises(ValueError, match="f16 cache as the reference"):
+        R.llamacpp_paired({"cache_types": {"q8_0": llama["cache_types"]["q8_0"]}}, s)
