@@ -329,7 +329,15 @@ def test_budget_cli_never_prints_a_negative_free_size(capsys):
     assert main(["budget", "--model", "llama-3.1-70b", "--batch", "1", "--context", "1000", "--gpu", "L4",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["free_bytes_per_gpu"] == 0 and out["weights_over_by_bytes"] > 100 * 2**30 and not out["fits"]
+    over = out["weights_and_reserve_over_by_bytes"]
+    assert out["free_bytes_per_gpu"] == 0 and over > 100 * 2**30 and not out["fits"]
+    assert over == out["weights_bytes_per_gpu"] + out["reserve_bytes_per_gpu"] - out["usable_bytes_per_gpu"]
+    # with almost no memory usable, the overflow is the weights and the reserve, and it says both
+    assert main(["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "1000", "--gpu", "H100-80GB",
+                 "--memory-utilization", "1e-300", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["usable_bytes_per_gpu"] == 0 and out["reserve_bytes_per_gpu"] > 0
+    assert out["weights_and_reserve_over_by_bytes"] == out["weights_bytes_per_gpu"] + out["reserve_bytes_per_gpu"]
 
 
 @pytest.mark.parametrize("name", [n for n in B.preset_names() if (B.PRESETS / "models" / f"{n}.json").exists()])
