@@ -277,7 +277,8 @@ def _model_facts(sweep) -> dict:
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
         "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"), "multikey": _lists(sweep, "multikey"),
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
-        "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n)}
+        "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
+                                        "paired": sweep.paired("cached", f, n, f, "filler")}
                            for n in sweep.lengths("cached") for f in sweep.formats
                            if f != "fp32" and sweep.counts("cached", f, n)[1]},
         "ppl_paired": {n: sweep.paired_perplexity(n) for n in ppl},
@@ -723,6 +724,17 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
     values["multikey_md"] = _stage_md([values[k] for k in keys], "multikey")
+    for k in keys:  # each format's two prefill modes on the same prompts, by the chapter's one paired rule
+        m = values[k]
+        modes = {f: v["paired"] for f, v in m["cached_vs_full"].items()}
+        worse = [f for f, pr in modes.items() if pr.verdict == "worse"]
+        shown = ", ".join(f"`{f.split()[0]}` −{pr.lost} +{pr.gained} (p = {pr.p:.2f})" for f, pr in modes.items()
+                          if pr.lost or pr.gained)
+        m["cached_modes_worse"] = worse
+        m["cached_modes_md"] = "" if not modes else (
+            ("the paired test tells the two modes apart for " + names_md([f.split()[0] for f in worse])
+             if worse else "the paired test cannot tell the two modes apart for any format")
+            + (f" (prompts the quantized prefill lost and gained: {shown})" if shown else ""))
     # formats the single-needle stages never found worse that the two-key rung did
     values["multikey_new"] = [(values[k]["name"], f) for k in keys for f in values[k]["multikey"]["by"]
                               if values[k]["multikey"]["by"][f]["worse_at"] and f in values[k]["never"]
@@ -760,6 +772,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                 (G["cached_vs_full"][f"{f} 8192"]["cached"][0] < G["cached_vs_full"][f"{f} 8192"]["full"][0])
                 == (f in ("q4_0", "int4_token")) for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")),
                 G["cached_vs_full"]),
+        "on Gemma at 8k no format's quantized prefill is distinguishable from its full prefill on the same prompts":
+            _claim(G["cached"]["measured"] and not G["cached_modes_worse"], G["cached_vs_full"]),
         "on Gemma at 8k with the prompt quantized, q4_0 is still not worse than full precision; per-token INT4 is":
             _claim(G["cached"]["measured"] and G["cached"]["status"].get("q4_0") == "never worse"
                    and G["cached"]["status"].get("int4_token", "").startswith("worse")),

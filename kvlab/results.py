@@ -228,12 +228,19 @@ class LongSweep:
         outs = [c[fmt] for c in self._by_prompt(stage, length).values() if fmt in c]
         return sum(outs), len(outs)
 
-    def paired(self, stage: str, fmt: str, length: int, reference: str = "fp32") -> Paired:
+    def paired(self, stage: str, fmt: str, length: int, reference: str = "fp32",
+               reference_stage: str | None = None) -> Paired:
         """``fmt`` against ``reference`` on the prompts both answered. In the ``"cached"`` stage the
         reference's answers come from the ``"filler"`` stage: the same prompts, and a lossless cache
-        gives the same answer whichever way the prompt attends."""
+        gives the same answer whichever way the prompt attends. ``reference_stage`` takes the reference's
+        answers from another stage with the same prompts: ``paired("cached", "q4_0", n, "q4_0", "filler")``
+        sets one format's two prefill modes side by side."""
         mine = self._by_prompt(stage, length)
-        ref = self._by_prompt("filler", length) if stage == "cached" else mine
+        if reference_stage is None:
+            reference_stage = "filler" if stage == "cached" else stage
+        if {stage, reference_stage} - {"filler", "cached"} and stage != reference_stage:
+            raise ValueError(f"{stage!r} and {reference_stage!r} do not share prompts (only filler and cached do)")
+        ref = self._by_prompt(reference_stage, length)
         keys = [k for k in mine if fmt in mine[k] and k in ref and reference in ref[k]]
         if not keys:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran at {length} tokens in {stage!r}")

@@ -67,13 +67,18 @@ def _rec(stage, length, depth, i, **correct):
 def test_paired_counts_discordant_prompts(tmp_path):
     recs = [_rec("filler", 1024, 0.0, i, fp32=True, int4=i >= 8) for i in range(10)]
     recs += [_rec("filler", 1024, 0.5, 0, fp32=False, int4=True)]
-    recs += [_rec("cached", 1024, 0.0, i, int4=False) for i in range(3)]  # reference from the filler stage
+    recs += [_rec("cached", 1024, 0.0, i, int4=i == 9) for i in (0, 1, 2, 8, 9)]  # reference from the filler stage
     s = R.LongSweep.load(_write(tmp_path, recs))
     pr = s.paired("filler", "int4", 1024)
     assert (pr.prompts, pr.correct, pr.ref_correct, pr.lost, pr.gained) == (11, 3, 10, 8, 1)
     assert pr.verdict == "worse" and pr.p == pytest.approx(20 / 512)
     c = s.paired("cached", "int4", 1024)
-    assert (c.prompts, c.lost, c.gained) == (3, 3, 0) and c.verdict == "not distinguishable"
+    assert (c.prompts, c.lost, c.gained) == (5, 4, 0) and c.verdict == "not distinguishable"
+    # one format's two prefill modes on the same prompts: reading its own cache, int4 loses prompt 8
+    m = s.paired("cached", "int4", 1024, "int4", "filler")
+    assert (m.prompts, m.correct, m.ref_correct, m.lost, m.gained) == (5, 1, 2, 1, 0)
+    with pytest.raises(ValueError, match="do not share prompts"):
+        s.paired("multikey", "int4", 1024, "int4", "filler")
     assert s.fails_at("filler", "int4") == 1024 and s.fails_at("filler", "fp32") is None
     rows = s.table("filler")
     assert {(r["kv_format"], r["verdict"]) for r in rows} == {("fp32", "not distinguishable"), ("int4", "worse")}
