@@ -178,6 +178,30 @@ def _haystack(tok, n_fill: int, rng: random.Random, haystack: list[int] | None, 
     return hay, _boundaries(tok, hay)
 
 
+def _place(tok, intro: list[int], needles: list[list[int]], question: list[int], length: int, depth: float,
+           rng: random.Random, haystack: list[int] | None, what: str) -> tuple[list[int], int]:
+    """``intro``, a haystack holding ``needles``, then ``question``: exactly ``length`` tokens. The first needle
+    (the one asked about) sits on the sentence boundary nearest ``depth``, the others on random boundaries.
+    Returns the ids and where the first needle starts."""
+    n_fill = length - len(intro) - sum(map(len, needles)) - len(question)
+    if n_fill < 0:
+        raise ValueError(f"length={length} is too short for {what}: it needs at least {length - n_fill} tokens")
+    hay, bounds = _haystack(tok, n_fill, rng, haystack, length)
+    target = min(bounds, key=lambda b: abs(b - depth * n_fill))
+    others = [b for b in bounds if b != target] or [target]
+    cuts = [target] + [rng.choice(others) for _ in needles[1:]]
+    ids, start, prev = list(intro), -1, 0
+    for i in sorted(range(len(needles)), key=lambda i: (cuts[i], i)):  # needles in haystack order
+        ids += hay[prev:cuts[i]]
+        if i == 0:
+            start = len(ids)
+        ids += needles[i]
+        prev = cuts[i]
+    ids += hay[prev:] + question
+    assert len(ids) == length
+    return ids, start
+
+
 MULTI_INTRO = "\nSeveral pass keys hide in the long text below, each with a name. Find them and remember them."
 MULTI_NEEDLE = " The pass key for {name} is {key}."
 MULTI_QUESTION = " What is the pass key for {name}? The pass key for {name} is"
@@ -199,25 +223,46 @@ def multikey(tok, length: int, depth: float, rng: random.Random, keys: int = 2,
             values.append(k)
     intro, question = bos(tok) + _encode(tok, MULTI_INTRO), _encode(tok, MULTI_QUESTION.format(name=names[0]))
     needles = [_encode(tok, MULTI_NEEDLE.format(name=n, key=k)) for n, k in zip(names, values)]
-    n_fill = length - len(intro) - sum(map(len, needles)) - len(question)
-    if n_fill < 0:
-        raise ValueError(f"length={length} is too short for a {keys}-key prompt: it needs at least "
-                         f"{length - n_fill} tokens")
-    hay, bounds = _haystack(tok, n_fill, rng, haystack, length)
-    target = min(bounds, key=lambda b: abs(b - depth * n_fill))
-    others = [b for b in bounds if b != target] or [target]
-    cuts = [target] + [rng.choice(others) for _ in range(keys - 1)]
-    ids, start, prev = list(intro), -1, 0
-    for i in sorted(range(keys), key=lambda i: (cuts[i], i)):  # needles in haystack order
-        ids += hay[prev:cuts[i]]
-        if i == 0:
-            start = len(ids)
-        ids += needles[i]
-        prev = cuts[i]
-    ids += hay[prev:] + question
-    assert len(ids) == length
+    ids, start = _place(tok, intro, needles, question, length, depth, rng, haystack, f"a {keys}-key prompt")
     return Example(ids, _encode(tok, " " + values[0]), values[0], needle_start=start,
                    meta={"depth": depth, "names": names, "keys": values})
+
+
+ORDERS_INTRO = ("\nA support assistant's context: order records returned by a search, among other retrieved "
+                "documents. Answer the question at the end from the records.")
+ORDER_RECORD = "\n[Order record] Customer: {name}. Item: {item}. Ships from: {city}."
+ORDER_QUESTION = "\n\nQuestion: Which city does {name}'s order ship from? Answer: {name}'s order ships from"
+CUSTOMERS = ("Alice Moreno", "Bruno Keller", "Chen Wei", "Dana Okafor", "Elif Demir", "Farid Haddad", "Greta Lind",
+             "Hiro Tanaka", "Ines Duarte", "Jonas Berg", "Kavya Rao", "Luca Ferri", "Maya Cohen", "Nils Olsen",
+             "Omar Aziz", "Paula Reyes", "Quinn Walsh", "Rosa Varga", "Sami Nieminen", "Tara Singh")
+ITEMS = ("a desk lamp", "two office chairs", "a coffee grinder", "a wool blanket", "a bicycle pump", "a rain jacket",
+         "a pair of boots", "a kettle", "a bookshelf", "a camping stove", "a monitor stand", "a garden hose")
+CITIES = ("Lisbon", "Oslo", "Denver", "Nairobi", "Osaka", "Quito", "Dublin", "Perth", "Seville", "Montreal", "Hanoi",
+          "Cairo", "Krakow", "Lima", "Boston", "Madrid", "Vienna", "Austin", "Manila", "Bergen")
+
+
+def order_lookup(tok, length: int, depth: float, rng: random.Random, records: int = 3,
+                 haystack: list[int] | None = None) -> Example:
+    """A product-like rung: a support assistant's retrieved context, ``records`` order records (customer, item,
+    warehouse city) among other documents, and a question about one customer's order, answered with a city
+    name. The asked record sits at ``depth``, the others at random sentence boundaries; every record names a
+    different customer and city, so the answer names exactly one record. Exactly ``length`` tokens.
+
+    Unlike the passkey, the answer is a word the model must copy from a record that looks like its
+    neighbours (as in question answering over several retrieved passages, the task of Liu et al. 2023,
+    "Lost in the Middle", arXiv:2307.03172), and the haystack is real text when ``haystack`` is given."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    if isinstance(records, bool) or not isinstance(records, int) or not 1 <= records <= len(CUSTOMERS):
+        raise ValueError(f"records must be an integer from 1 to {len(CUSTOMERS)}, got {records!r}")
+    names, cities = rng.sample(CUSTOMERS, records), rng.sample(CITIES, records)
+    items = [rng.choice(ITEMS) for _ in range(records)]
+    intro = bos(tok) + _encode(tok, ORDERS_INTRO)
+    question = _encode(tok, ORDER_QUESTION.format(name=names[0]))
+    needles = [_encode(tok, ORDER_RECORD.format(name=n, item=i, city=c)) for n, i, c in zip(names, items, cities)]
+    ids, start = _place(tok, intro, needles, question, length, depth, rng, haystack, f"{records} order records")
+    return Example(ids, _encode(tok, " " + cities[0]), cities[0], needle_start=start,
+                   meta={"depth": depth, "names": names, "items": items, "cities": cities})
 
 
 def kv_lookup(

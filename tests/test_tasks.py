@@ -112,6 +112,36 @@ def test_multikey_places_every_named_key_once_and_asks_for_the_one_at_depth(keys
     assert abs(len(before) / hay - depth) < 0.05 + 25 / hay  # within one filler sentence of the requested depth
 
 
+@pytest.mark.parametrize("records", [1, 3, 5])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_order_lookup_holds_each_record_once_and_asks_about_the_one_at_depth(records, depth):
+    ex = tasks.order_lookup(CharTok(), 2000, depth, random.Random(7), records=records)
+    text = "".join(map(chr, ex.input_ids))
+    names, cities = ex.meta["names"], ex.meta["cities"]
+    assert len(ex.input_ids) == 2000 and len(set(names)) == len(set(cities)) == records
+    assert ex.answer == cities[0] and "".join(map(chr, ex.answer_ids)) == " " + cities[0]
+    assert text.endswith(tasks.ORDER_QUESTION.format(name=names[0]))
+    for name, city in zip(names, cities):  # each record once, each city named only in its record
+        assert text.count(f"Customer: {name}.") == 1 and text.count(f"Ships from: {city}.") == 1
+        assert text.count(city) == 1
+    assert text[ex.needle_start:].startswith(f"\n[Order record] Customer: {names[0]}.")
+    recs = [tasks.ORDER_RECORD.format(name=n, item=i, city=c) for n, i, c in zip(names, ex.meta["items"], cities)]
+    hay = text[len(tasks.ORDERS_INTRO):len(text) - len(tasks.ORDER_QUESTION.format(name=names[0]))]
+    before = text[len(tasks.ORDERS_INTRO):ex.needle_start]
+    for r in recs:  # the haystack alone, and the part of it before the asked record
+        hay, before = hay.replace(r, ""), before.replace(r, "")
+    assert abs(len(before) / len(hay) - depth) < 0.05 + 25 / len(hay)  # within one filler sentence of the depth
+
+
+def test_order_lookup_errors():
+    with pytest.raises(ValueError, match="records must be"):
+        tasks.order_lookup(CharTok(), 1000, 0.5, random.Random(0), records=0)
+    with pytest.raises(ValueError, match="too short for 3 order records"):
+        tasks.order_lookup(CharTok(), 200, 0.5, random.Random(0), records=3)
+    with pytest.raises(ValueError, match="depth"):
+        tasks.order_lookup(CharTok(), 1000, 1.5, random.Random(0))
+
+
 def test_multikey_errors():
     with pytest.raises(ValueError, match="keys must be"):
         tasks.multikey(CharTok(), 1000, 0.5, random.Random(0), keys=1)
