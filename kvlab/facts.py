@@ -276,6 +276,7 @@ def _model_facts(sweep) -> dict:
         "hours": seconds / 3600, "machine": sweep.header.get("machine", "?"), "date": sweep.header.get("date", "?"),
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
         "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"), "multikey": _lists(sweep, "multikey"),
+        "orders": _lists(sweep, "orders"),
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
                                         "paired": sweep.paired("cached", f, n, f, "filler")}
@@ -724,6 +725,20 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
     values["multikey_md"] = _stage_md([values[k] for k in keys], "multikey")
+    values["orders_md"] = _stage_md([values[k] for k in keys], "orders")
+    import inspect
+
+    from .tasks import order_lookup
+
+    swept = {r.get("records") for m in values["sweeps"].values() for r in m.records if r["stage"] == "orders"}
+    if len(swept) > 1:
+        raise ValueError(f"the order-records rung ran with different record counts: {sorted(swept)}")
+    values["order_records"] = swept.pop() if swept else inspect.signature(order_lookup).parameters["records"].default
+    # formats never worse on a single needle (either haystack) that the order-records rung found worse
+    values["orders_new_md"] = "; ".join(
+        f"`{f}` on {values[k]['name']}" for k in keys for f, r in values[k]["orders"]["by"].items()
+        if r["worse_at"] and f in values[k]["never"] and not values[k]["prose"]["by"].get(f, {}).get("worse_at")
+    ) or "none"
     for k in keys:  # each format's two prefill modes on the same prompts, by the chapter's one paired rule
         m = values[k]
         modes = {f: v["paired"] for f, v in m["cached_vs_full"].items()}

@@ -32,7 +32,9 @@ LONG_SWEEPS = {"smollm2-135m": RESULTS_DIR / "long_sweep_smollm2.jsonl", "gemma3
 # "looks fine on perplexity": a paired test on 16 windows detects even FP8's tiny increase, so the trap's
 # first rung needs a tolerance; 5% is the limit chapter 5's quality-adjusted cost also uses
 PPL_TOLERANCE = 0.05
-STAGES = ("filler", "prose", "cached", "multikey")  # passkey stages (multikey: two named keys, kvlab.tasks.multikey)
+# answer stages (multikey: two named pass keys, kvlab.tasks.multikey; orders: a city from order records in prose,
+# kvlab.tasks.order_lookup); each is paired within its own prompts, "cached" with the "filler" stage's
+STAGES = ("filler", "prose", "cached", "multikey", "orders")
 PPL_STAGE = "perplexity"  # held-out windows: summed NLL per format
 
 

@@ -17,7 +17,9 @@ Stages, in the order they run (the first answers the headline question soonest):
    write K and V to the cache before attending), one prefill per format, at 8k and 32k;
 5. ``multikey``: a harder rung (RULER's multi-key needle): two named pass keys in the filler haystack, the
    one asked for at the sweep's depth and the other at a random sentence boundary
-   (:func:`kvlab.tasks.multikey`), at 4k and 8k.
+   (:func:`kvlab.tasks.multikey`), at 4k and 8k;
+6. ``orders``: a product-like rung: order records among retrieved documents (the prose haystack), a question
+   about one customer's order answered with a city name (:func:`kvlab.tasks.order_lookup`).
 
 Each record holds ``correct[format]`` (exact match of the 5-digit key), so any two formats can be
 compared prompt by prompt (exact McNemar: :func:`kvlab.results.mcnemar`).
@@ -45,6 +47,7 @@ CORE = ["fp32", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "int4_tensor",
 CACHED = ["fp8_e4m3", "int8", "q4_0", "int4_token"]
 CACHED_LENGTHS = [8192, 32768]
 MULTIKEY_KEYS, MULTIKEY_LENGTHS = 2, [4096, 8192]
+ORDER_RECORDS, ORDER_LENGTHS = 3, [4096, 8192]
 # per-layer-type mixes on a hybrid model: INT4 only where the layer attends globally, or only on the windows
 # (kvlab.formats resolves these names: int4_token on one layer type, full precision on the others)
 MIXED = ["int4_token@global", "int4_token@sliding"]
@@ -71,8 +74,8 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens")
     p.add_argument("--haystack-file", type=Path, default=None,
                    help="a UTF-8 text file to cut the prose haystack from (default: the project's corpus)")
-    p.add_argument("--stages", nargs="+", default=["filler", "perplexity", "prose", "cached", "multikey"],
-                   choices=["filler", "perplexity", "prose", "cached", "multikey"])
+    p.add_argument("--stages", nargs="+", default=["filler", "perplexity", "prose", "cached", "multikey", "orders"],
+                   choices=["filler", "perplexity", "prose", "cached", "multikey", "orders"])
     p.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens (the held-out text)")
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     args = p.parse_args(argv)
@@ -141,10 +144,12 @@ def main(argv=None):
             plan += [("cached", n) for n in (CACHED_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
         if "multikey" in args.stages:
             plan += [("multikey", n) for n in (MULTIKEY_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
+        if "orders" in args.stages:
+            plan += [("orders", n) for n in (ORDER_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
         # "cached" prefills once per format: only CACHED there (fp32 reads the same prompts in "filler")
-        per_stage = {"filler": fmts, "prose": fmts, "multikey": fmts,
+        per_stage = {"filler": fmts, "prose": fmts, "multikey": fmts, "orders": fmts,
                      "cached": fmts[1:] if args.quick else [f for f in fmts if f.name in CACHED]}
-        mode = {"filler": "full", "prose": "full", "cached": "cached", "multikey": "full"}
+        mode = {"filler": "full", "prose": "full", "cached": "cached", "multikey": "full", "orders": "full"}
         if "perplexity" in args.stages:  # every format on identical held-out windows, each token reading the cache
             wins = evals.perplexity_windows(tok, window=128 if args.quick else 512,
                                             max_windows=2 if args.quick else args.windows)
@@ -159,9 +164,10 @@ def main(argv=None):
                 print(f"perplexity window #{i}: {time.time() - t0:.1f}s", flush=True)
         for stage, n in plan:
             make = {"prose": lambda t, n_, d, r: tasks.passkey(t, n_, d, r, haystack=hay),
-                    "multikey": lambda t, n_, d, r: tasks.multikey(t, n_, d, r, keys=MULTIKEY_KEYS)
+                    "multikey": lambda t, n_, d, r: tasks.multikey(t, n_, d, r, keys=MULTIKEY_KEYS),
+                    "orders": lambda t, n_, d, r: tasks.order_lookup(t, n_, d, r, records=ORDER_RECORDS, haystack=hay),
                     }.get(stage, tasks.passkey)
-            seed = {"prose": 1, "multikey": 2}.get(stage, 0)
+            seed = {"prose": 1, "multikey": 2, "orders": 3}.get(stage, 0)
             for d in depths:
                 todo = [i for i in range(per_depth) if (stage, n, float(d), i) not in done]
                 if not todo:
@@ -174,11 +180,13 @@ def main(argv=None):
                     want = torch.tensor([ex.answer_ids])
                     gens = evals.answers(model, ids, per_stage[stage], want.shape[1], mode[stage], want, args.chunk)
                     correct = {name: g[0].tolist() == ex.answer_ids for name, g in gens.items()}
-                    rec = {"stage": stage, "haystack": "prose" if stage == "prose" else "filler",
+                    rec = {"stage": stage, "haystack": "prose" if stage in ("prose", "orders") else "filler",
                            "prefill": mode[stage], "length": n, "depth": float(d), "index": i, "key": ex.answer,
                            "correct": correct, "seconds": round(time.time() - t0, 1)}
                     if stage == "multikey":
                         rec["keys"] = MULTIKEY_KEYS
+                    if stage == "orders":
+                        rec["records"] = ORDER_RECORDS
                     write(rec)
                     ok = sum(correct.values())
                     print(f"{stage} {n} d={d} #{i}: {ok}/{len(correct)} formats right, {rec['seconds']}s", flush=True)

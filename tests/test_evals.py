@@ -169,5 +169,8 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines[0]["kind"] == "header" and len(lines) > 5
     assert all(set(x["correct"]) <= set(lines[0]["formats"]) for x in lines[1:] if "correct" in x)
+    stages = {x["stage"] for x in lines[1:]}
+    assert stages == {"filler", "perplexity", "prose", "cached", "multikey", "orders"}, stages
+    assert all(x["records"] == 3 and x["haystack"] == "prose" for x in lines[1:] if x["stage"] == "orders")
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "resuming" in again.stdout and len(out.read_text().splitlines()) == len(lines)
