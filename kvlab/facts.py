@@ -879,12 +879,56 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     steady_claim = {"the loss grows with length for only a few formats on each model":
                     _claim(all(len(values[k]["grows_common"]) <= len(values[k]["by"]) // 3 for k in keys),
                            {k: values[k]["grows_common"] for k in keys})}
+    values |= llamacpp_gemma(sweeps.get("gemma3-270m"))
     claims = g_claims | trap_claims | both_claims | steady_claim | {
         "every model's sweep ran at least 25 identical prompts a point":
             _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),
                    {k: values[CH4_KEYS.get(k, k)]["prompts_all"] for k in sweeps}),
     } | ladder_claims
     return Facts(values, claims)
+
+
+def _mark(p) -> str:
+    """A paired comparison as the chapter's tables show it: −lost +gained, ✗ where the format is worse."""
+    return f"−{p.lost} +{p.gained}" + (" ✗" if p.verdict == "worse" else "")
+
+
+def llamacpp_gemma(sweep, path=None) -> dict:
+    """llama.cpp on Gemma 3's GGUF beside kvlab on the long sweep's identical prompts (chapter 4, appendix):
+    a table with each side's paired verdict against its own full-precision cache, and whether they agree.
+    Says how to run it while ``data/results/engines_llamacpp_gemma3.json`` is not shipped."""
+    import json
+
+    from .paths import RESULTS_DIR
+    from .results import llamacpp_paired
+
+    path = path or RESULTS_DIR / "engines_llamacpp_gemma3.json"
+    if sweep is None or not path.is_file():
+        return {"llama_gemma_ran": False, "llama_gemma_md": "*Not run yet:* `python scripts/compare_engines.py "
+                "--llama-cpp --model gemma3-270m` (after `make peers`) writes it.", "llama_gemma_summary_md": ""}
+    doc = json.loads(path.read_text())
+    pairs = llamacpp_paired(doc, sweep)
+    rows = ["| cache | context | llama.cpp found | vs its f16 | kvlab format (prefill) | kvlab found | vs its fp32 | "
+            "same answer |", "|---|---|---|---|---|---|---|---|"]
+    agree = []
+    for ct, by_n in pairs.items():
+        for n, x in by_n.items():
+            e, k, b = x["engine"], x["kvlab"], x["between"]
+            rows.append(f"| {ct} | {_k(n)} | {e.correct}/{e.prompts} | {_mark(e) if ct != 'f16' else '—'} | "
+                        f"`{x['preset'] if ct != 'f16' else 'fp32'}` ({'prompt reads the cache' if x['kvlab_stage'] == 'cached' else 'prompt in full precision'}) | "
+                        f"{k.correct}/{k.prompts} | {_mark(k) if ct != 'f16' else '—'} | "
+                        f"{b.prompts - b.lost - b.gained}/{b.prompts} |")
+            if ct != "f16":
+                agree.append((ct, n, e.verdict == k.verdict, e, k))
+    same = all(g for _, _, g, _, _ in agree)
+    summary = (f"llama.cpp on the same GGUF ran {doc.get('machine', '?')}, {doc.get('date', '?')} "
+               f"({doc.get('seconds', 0) / 60:.0f} minutes). "
+               + ("Against its own full-precision cache, each quantized cache got the same paired verdict in llama.cpp "
+                  "as in kvlab: " if same else "The paired verdicts differ between the two: ")
+               + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
+                           f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + ".")
+    return {"llama_gemma_ran": True, "llama_gemma": doc, "llama_gemma_pairs": pairs, "llama_gemma_md": "\n".join(rows),
+            "llama_gemma_agree": same, "llama_gemma_summary_md": summary}
 
 
 # --------------------------------------------------------------------------- chapter 5

@@ -85,3 +85,33 @@ def test_a_mitigation_is_tested_against_its_base_on_the_same_prompts(tmp_path):
     assert vs["int4_token+rotate"]["p"] == mcnemar(0, 8) < 0.01
     assert (vs["kivi-2+rotate"]["fixed"], vs["kivi-2+rotate"]["broke"]) == (2, 2)
     assert vs["kivi-2+rotate"]["verdict"] == "not distinguishable"
+
+
+def test_llamacpp_on_gemma_is_tabled_beside_kvlab_with_each_sides_verdict(tmp_path):
+    import json
+
+    from kvlab.results import LongSweep
+
+    fmts = {f: {} for f in ("fp32", "q4_0", "q8_0")}
+    recs = [{"stage": "filler", "length": 64, "depth": 0.0, "index": i,
+             "correct": {"fp32": True, "q4_0": True, "q8_0": True}} for i in range(8)]
+    recs += [{"stage": "cached", "length": 64, "depth": 0.0, "index": i, "correct": {"q4_0": i >= 6}} for i in range(8)]
+    p = tmp_path / "s.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in [{"kind": "header", "model": "m", "formats": fmts}, *recs]) + "\n")
+    sweep = LongSweep.load(p)
+    assert facts.llamacpp_gemma(sweep, tmp_path / "absent.json")["llama_gemma_ran"] is False
+
+    def row(outcomes):
+        return {"length": 64, "depth": 0.0, "trials": 8, "correct": sum(outcomes), "outcomes": outcomes}
+
+    doc = {"machine": "cpu", "date": "2026-12-02", "seconds": 120, "cache_types": {
+        "f16": {"rows": [row([True] * 8)]}, "q8_0": {"rows": [row([True] * 8)]},
+        "q4_0": {"rows": [row([i >= 7 for i in range(8)])]}}}
+    (tmp_path / "l.json").write_text(json.dumps(doc))
+    v = facts.llamacpp_gemma(sweep, tmp_path / "l.json")
+    assert v["llama_gemma_ran"] and v["llama_gemma_agree"]  # both call q4_0 worse (−7 and −6), q8_0 not
+    assert "| q4_0 | 64 | 1/8 | −7 +0 ✗ | `q4_0` (prompt reads the cache) | 2/8 | −6 +0 ✗ | 7/8 |" in v["llama_gemma_md"]
+    assert "q4_0 at 64: llama.cpp worse (−7 +0), kvlab worse (−6 +0)" in v["llama_gemma_summary_md"]
+    doc["cache_types"]["q4_0"]["rows"] = [row([True] * 8)]
+    (tmp_path / "l.json").write_text(json.dumps(doc))
+    assert not facts.llamacpp_gemma(sweep, tmp_path / "l.json")["llama_gemma_agree"]
