@@ -93,6 +93,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=O
 peers: $(STAMP)
 	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet "$(LLAMA_CPP_PYTHON)" "torch==$(TORCH_VERSION)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python scripts/compare_engines.py --llama-cpp
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python scripts/compare_engines.py --llama-cpp --model gemma3-270m
 	$(BIN)/python scripts/compare_engines.py --llama-server
 	$(BIN)/python scripts/compare_engines.py --quanto
 	$(BIN)/python scripts/compare_engines.py --hqq
