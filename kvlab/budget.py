@@ -402,6 +402,14 @@ class Budget:
     per_layer_bytes: tuple[int, ...] = ()
 
 
+def bits_held(model, context: int, kv_format) -> float:
+    """Bits an element that ``context`` tokens really hold in ``kv_format`` on a server whose full precision is
+    16-bit: the cache's bytes over a bf16 cache's, times 16. Unlike
+    :meth:`~kvlab.formats.KVFormat.bits_per_element` it counts what a real cache of that length also stores:
+    scales, KIVI's full-precision residual and a partial token group, windows."""
+    return 16 * budget(model, 1, context, kv_format).cache_bytes / budget(model, 1, context, "bf16").cache_bytes
+
+
 def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, block_size: int = 1,
            full_precision_bits: int = 16) -> Budget:
     """Cache bytes for ``batch`` sequences of ``context`` tokens each.

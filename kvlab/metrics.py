@@ -126,6 +126,16 @@ def format_errors(keys, values, queries=None, formats=("fp8_e4m3", "int8", "int4
     return rows
 
 
+def mean_by_format(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """:func:`format_errors` rows averaged over layers: ``{format: {metric: mean}}``."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k not in ("format", "layer"):
+                out.setdefault(r["format"], {}).setdefault(k, []).append(v)
+    return {f: {k: sum(v) / len(v) for k, v in m.items()} for f, m in out.items()}
+
+
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 E4M3_MIN_NORMAL = torch.finfo(torch.float8_e4m3fn).smallest_normal  # 2^-6: below it E4M3 loses relative precision
 

@@ -550,3 +550,13 @@ def test_a_config_whose_tie_word_embeddings_is_not_a_boolean_is_refused():
          "head_dim": 64, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": "no"}
     with pytest.raises(ValueError, match="tie_word_embeddings must be true or false"):
         B.load_shape(d)
+
+
+def test_bits_held_counts_scales_and_kivis_residual():
+    from kvlab.formats import get_format
+
+    assert B.bits_held("llama-3.1-8b", 4096, "bf16") == 16
+    for fmt in ("int8", "int4", "q4_0"):  # a long context: only the scales on top of the codes
+        assert B.bits_held("llama-3.1-8b", 1 << 16, fmt) == pytest.approx(get_format(fmt).bits_per_element(128), rel=0.01)
+    # 512 tokens, 128 of them in KIVI's 16-bit residual: a quarter of the elements at 16 bits
+    assert B.bits_held("llama-3.1-8b", 512, "kivi-4") > get_format("kivi-4").bits_per_element(128) + 2

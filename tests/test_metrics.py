@@ -90,3 +90,13 @@ def test_first_divergence():
     assert first_divergence(a, torch.tensor([5, 6, 0, 8])) == 2
     with pytest.raises(ValueError, match="one length"):
         first_divergence(a, a[:3])
+
+
+def test_mean_by_format_averages_each_metric_over_layers():
+    from kvlab.metrics import mean_by_format
+
+    rows = [{"format": "int8", "layer": 0, "k_snr_db": 40.0, "v_snr_db": 30.0},
+            {"format": "int8", "layer": 1, "k_snr_db": 44.0, "v_snr_db": 34.0},
+            {"format": "int4", "layer": 0, "k_snr_db": 20.0, "v_snr_db": 10.0}]
+    assert mean_by_format(rows) == {"int8": {"k_snr_db": 42.0, "v_snr_db": 32.0},
+                                    "int4": {"k_snr_db": 20.0, "v_snr_db": 10.0}}
