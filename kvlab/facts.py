@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 from .results import PPL_TOLERANCE
 
+LADDER_PPL_WINDOWS = 4  # held-out windows the ladder sweep's perplexity read (scripts/sweep_evals.py)
+
 
 class Facts(dict):
     """Values by name (a dict, so templates read them) plus ``claims``: sentence -> (holds, evidence)."""
@@ -547,11 +549,17 @@ def _smollm2_ladder() -> tuple[dict, dict]:
         from .results import LONG_SWEEPS, LongSweep
 
         paired = LongSweep.load(LONG_SWEEPS["smollm2-135m"])
-        diffs = {f: abs(paired.paired_perplexity(f)["increase"] - lad[f]["ppl_increase"])
+        # the ladder read the first LADDER_PPL_WINDOWS held-out windows: compare on those same windows
+        diffs = {f: abs(paired.paired_perplexity(f, windows=LADDER_PPL_WINDOWS)["increase"] - lad[f]["ppl_increase"])
                  for f in lad if f != "fp32" and f in paired.formats}
         v["ppl_gap"] = max(diffs.values())
+        v["ladder_ppl_windows"] = LADDER_PPL_WINDOWS
+        # the formats whose side of the bar depends on which of the two runs you read
+        v["ppl_straddle"] = sorted(f for f in diffs if (paired.paired_perplexity(f)["increase"] <= PPL_TOLERANCE)
+                                   != (lad[f]["ppl_increase"] <= PPL_TOLERANCE))
+        v["ppl_straddle_md"] = names_md(v["ppl_straddle"])
     except (FileNotFoundError, KeyError):
-        v["ppl_gap"] = None
+        v["ppl_gap"], v["ladder_ppl_windows"], v["ppl_straddle"], v["ppl_straddle_md"] = None, LADDER_PPL_WINDOWS, [], "none"
     # 4.7: what each rung misses
     kl_gain = lad["int4_token"]["kl"] / lad["int4_token+residual128"]["kl"]
     res_long, tok_long = lad["int4_token+residual128"]["needle_long"], lad["int4_token"]["needle_long"]

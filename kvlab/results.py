@@ -195,10 +195,12 @@ class LongSweep:
             raise KeyError(f"no perplexity windows for {fmt!r}")
         return math.exp(sum(r["nll"][fmt] for r in rows) / sum(r["tokens"] for r in rows))
 
-    def paired_perplexity(self, fmt: str, reference: str = "fp32") -> dict:
+    def paired_perplexity(self, fmt: str, reference: str = "fp32", windows: int | None = None) -> dict:
         """``fmt`` against ``reference`` window by window: the perplexity increase, and the same paired
-        rule as the passkey (a two-sided sign test on the windows where ``fmt`` did worse vs better)."""
-        rows = [r for r in self.records if r["stage"] == PPL_STAGE and fmt in r["nll"] and reference in r["nll"]]
+        rule as the passkey (a two-sided sign test on the windows where ``fmt`` did worse vs better).
+        ``windows`` keeps only the first that many held-out windows (to compare with a run that read fewer)."""
+        rows = [r for r in self.records if r["stage"] == PPL_STAGE and fmt in r["nll"] and reference in r["nll"]
+                and (windows is None or r["index"] < windows)]
         if not rows:
             raise KeyError(f"no perplexity windows where {fmt!r} and {reference!r} both ran")
         worse = sum(r["nll"][fmt] > r["nll"][reference] for r in rows)

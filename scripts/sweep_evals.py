@@ -31,6 +31,7 @@ import transformers
 
 from kvlab import evals
 from kvlab.env import cpu_model
+from kvlab.facts import LADDER_PPL_WINDOWS
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
 from kvlab.models import DEFAULT_MODEL, load_model
 from kvlab.paths import out_problem, write_json
@@ -115,7 +116,7 @@ def main(argv=None):
     if not done("perplexity"):
         for f in fmts:
             out["formats"][f.name]["perplexity"] = evals.perplexity(model, tok, f, window=512,
-                                                                    max_windows=2 if args.quick else 4)
+                                                                    max_windows=2 if args.quick else LADDER_PPL_WINDOWS)
         save("perplexity", t)
     # 3. the harsher mode: the prompt's own attention reads the quantized cache
     t = time.time()

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import time
 from pathlib import Path
 
@@ -51,6 +52,43 @@ ORDER_RECORDS, ORDER_LENGTHS = 3, [4096, 8192]
 # per-layer-type mixes on a hybrid model: INT4 only where the layer attends globally, or only on the windows
 # (kvlab.formats resolves these names: int4_token on one layer type, full precision on the others)
 MIXED = ["int4_token@global", "int4_token@sliding"]
+
+
+def plan_of(args, lengths: list[int]) -> list[tuple[str, int]]:
+    """The (stage, length) pairs a run measures, in order (perplexity aside)."""
+    plan = [(s, n) for s in ("filler", "prose") if s in args.stages for n in lengths]
+    for stage, own in (("cached", CACHED_LENGTHS), ("multikey", MULTIKEY_LENGTHS), ("orders", ORDER_LENGTHS)):
+        if stage in args.stages:
+            plan += [(stage, n) for n in (own if not args.quick else lengths[-1:]) if n in lengths]
+    return plan
+
+
+def _resume_lines(path: Path, p) -> list[dict]:
+    """The records of a sweep file to resume. A last line cut off mid-record (the run was killed while
+    writing it) is dropped from the file, since its prompt will simply run again; any other damage stops
+    the run with one line rather than appending to a file that is not a sweep."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    raw = text.splitlines()
+    lines = []
+    for i, x in enumerate(raw, start=1):
+        if not x.strip():
+            continue
+        try:
+            rec = json.loads(x)
+        except json.JSONDecodeError as e:
+            if i == len(raw) and not text.endswith("\n"):
+                print(f"{path}:{i}: dropping a record cut off mid-write; its prompt runs again", flush=True)
+                with path.open("r+b") as f:
+                    f.truncate(path.read_bytes().rfind(b"\n") + 1)
+                break
+            p.error(f"{path}:{i} is not a sweep record ({e.msg}); move the file away or fix it")
+        if not isinstance(rec, dict) or (i == 1) != (rec.get("kind") == "header") or (
+                i > 1 and not all(k in rec for k in ("stage", "length", "depth", "index"))):
+            p.error(f"{path}:{i} is not a sweep {'header' if i == 1 else 'record'}; move the file away or fix it")
+        lines.append(rec)
+    if not lines:
+        p.error(f"{path} holds no sweep header; move the file away")
+    return lines
 
 
 def formats(quick: bool, hybrid: bool = True):
@@ -84,6 +122,8 @@ def main(argv=None):
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.lengths and any(n < 64 for n in args.lengths):
         p.error("--lengths must be at least 64 tokens each")
+    if args.lengths and len(set(args.lengths)) < len(args.lengths):
+        p.error(f"--lengths lists a length twice: {args.lengths}")
     if why := out_problem(args.out):
         p.error(why)
     haystack_text = None
@@ -121,7 +161,7 @@ def main(argv=None):
               "chunk": args.chunk, "task": "passkey (5 digits, greedy exact match)"}
     done = set()
     if args.out.exists() and args.out.stat().st_size:
-        lines = [json.loads(x) for x in args.out.read_text().splitlines() if x.strip()]
+        lines = _resume_lines(args.out, p)
         old = lines[0]
         same = {n: (v["bits_per_element"], v["layer_formats"]) for n, v in header["formats"].items()} == \
             {n: (v["bits_per_element"], v["layer_formats"]) for n, v in old.get("formats", {}).items()}
@@ -129,6 +169,15 @@ def main(argv=None):
             p.error(f"{args.out} holds a different sweep (model, depths, formats or haystack); move it away first")
         done = {(r["stage"], r["length"], r["depth"], r["index"]) for r in lines[1:]}
         print(f"resuming: {len(done)} prompts already measured", flush=True)
+    # every stage's prompt must fit its shortest length: say so now, not after the header and hours of work
+    for stage, n in plan_of(args, lengths):
+        make = {"multikey": lambda n_: tasks.multikey(tok, n_, 0.5, random.Random(0), keys=MULTIKEY_KEYS),
+                "orders": lambda n_: tasks.order_lookup(tok, n_, 0.5, random.Random(0), records=ORDER_RECORDS,
+                                                        haystack=hay)}.get(stage, lambda n_: tasks.passkey(tok, n_, 0.5, random.Random(0)))
+        try:
+            make(n)
+        except ValueError as e:
+            p.error(f"--lengths: the {stage} stage cannot use {n} tokens: {e}")
     machine = (f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads")
     with args.out.open("a") as f:
         def write(rec):
@@ -139,13 +188,7 @@ def main(argv=None):
         if not done and args.out.stat().st_size == 0:
             write(header | {"machine": machine, "torch": torch.__version__,
                             "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")})
-        plan = [(s, n) for s in ("filler", "prose") if s in args.stages for n in lengths]
-        if "cached" in args.stages:
-            plan += [("cached", n) for n in (CACHED_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
-        if "multikey" in args.stages:
-            plan += [("multikey", n) for n in (MULTIKEY_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
-        if "orders" in args.stages:
-            plan += [("orders", n) for n in (ORDER_LENGTHS if not args.quick else lengths[-1:]) if n in lengths]
+        plan = plan_of(args, lengths)
         # "cached" prefills once per format: only CACHED there (fp32 reads the same prompts in "filler")
         per_stage = {"filler": fmts, "prose": fmts, "multikey": fmts, "orders": fmts,
                      "cached": fmts[1:] if args.quick else [f for f in fmts if f.name in CACHED]}

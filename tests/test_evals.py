@@ -174,3 +174,17 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
     assert all(x["records"] == 3 and x["haystack"] == "prose" for x in lines[1:] if x["stage"] == "orders")
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "resuming" in again.stdout and len(out.read_text().splitlines()) == len(lines)
+    whole = out.read_text()
+    out.write_text(whole + '{"stage": "filler", "length": 10')  # killed mid-write: the cut-off record is dropped
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "cut off mid-write" in again.stdout and out.read_text() == whole
+    bad = tmp_path / "bad.jsonl"
+    for damaged in ("hello\n", "[1, 2]\n", whole.splitlines()[0] + '\n{"stage": "filler"}\n'):
+        bad.write_text(damaged)
+        r = subprocess.run(cmd[:-1] + [str(bad)], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 2 and "move the file away" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+        assert bad.read_text() == damaged
+    short = tmp_path / "short.jsonl"  # a stage whose prompt cannot fit: refused before a header is written
+    r = subprocess.run(cmd[:-1] + [str(short), "--stages", "orders", "--lengths", "64"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 2 and "the orders stage cannot use 64 tokens" in r.stderr and not short.exists(), r.stderr[-500:]

@@ -328,3 +328,10 @@ def test_llamacpp_is_paired_with_the_long_sweep_prompt_by_prompt(tmp_path):
         R.llamacpp_paired(llama, s)
     with pytest.raises(ValueError, match="f16 cache as the reference"):
         R.llamacpp_paired({"cache_types": {"q8_0": llama["cache_types"]["q8_0"]}}, s)
+
+
+def test_paired_perplexity_can_read_only_the_first_windows(tmp_path):
+    recs = [_ppl(i, fp32=10.0, int4=10.0 + (5.0 if i >= 2 else 0.0)) for i in range(4)]
+    s = R.LongSweep.load(_write(tmp_path, recs))
+    assert s.paired_perplexity("int4", windows=2)["increase"] == 0.0 and s.paired_perplexity("int4", windows=2)["windows"] == 2
+    assert s.paired_perplexity("int4")["increase"] > 0 and s.paired_perplexity("int4")["worse_windows"] == 2
