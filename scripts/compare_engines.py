@@ -75,6 +75,10 @@ def main(argv=None) -> dict:
     gemma = args.model == "gemma3-270m"
     if gemma and not args.llama_cpp:
         p.error("--model gemma3-270m is for --llama-cpp")
+    if args.quick and not args.llama_cpp:
+        p.error("--quick is for --llama-cpp (a smoke test of its first case)")
+    if (args.quanto or args.hqq) and args.depths != p.get_default("depths"):
+        p.error("--depths is not for --quanto or --hqq: their prompts put the needle at depth 0.5")
     if not args.lengths:  # llama.cpp at 8192 tokens adds ~45 minutes on 2 cores: pass --lengths to include it
         args.lengths = [8192] if gemma else [512, 1024, 2048] if args.quanto or args.hqq else [512, 2048]
     if args.trials < 1 or args.new_tokens < 2 or min(args.lengths) < 64:

@@ -96,3 +96,20 @@ def test_shipped_llamacpp_server_comparison_has_its_schema():
     for r in res.values():
         assert sum(x["trials"] for x in r.rows) == n, "every prompt answered"
     assert doc["agreement"]["prompts"] == n and "top-k" in doc["agreement"]["caveat"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--quanto", "--quick"], "--quick is for --llama-cpp"),
+    (["--hqq", "--depths", "0.5"], "--depths is not for --quanto or --hqq"),
+    (["--quanto", "--model", "gemma3-270m"], "--model gemma3-270m is for --llama-cpp"),
+    (["--llama-cpp", "--trials", "0"], "--trials must be >= 1"),
+])
+def test_compare_engines_refuses_flags_it_would_ignore_before_any_run(argv, needle):
+    import subprocess
+    import sys
+
+    from kvlab.paths import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_engines.py"), *argv], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
