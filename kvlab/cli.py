@@ -18,6 +18,7 @@ import argparse
 import errno
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -404,23 +405,36 @@ def cmd_serve(args) -> int:
     if why := _listen_problem(args.host, args.port):
         print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
+    if args.name is not None and (not args.name.strip() or not args.name.isprintable()):
+        print(f"kvlab: error: --name {args.name!r} is empty or unprintable", file=sys.stderr)
+        return 2
     # said before the model loads, so a standard output that cannot be written (a full disk) fails now, not later
-    print(f"kvlab: loading {args.model} ...", flush=True)
-    from .models import load_model  # the model stack, after the cheap checks
+    print(f"kvlab: loading {args.model or 'smollm2-135m'} ...", flush=True)
+    from .models import (  # the model stack, after the cheap checks
+        DEFAULT_MODEL,
+        load_model,
+        resolve,
+    )
     from .server import CompletionServer
     try:
+        alias = args.model or DEFAULT_MODEL  # a name kvlab knows ("kvlab-tiny") is the id clients send, not its folder's
+        name = args.name or (alias.strip() if str(resolve(alias)) != alias else None)
         model, tok = load_model(args.model)
         positions = getattr(model.config, "max_position_embeddings", None)
         if args.max_model_len and positions and args.max_model_len > positions:
             raise ValueError(f"--max-model-len {args.max_model_len} is longer than the model's "
                              f"{positions:,} positions (max_position_embeddings)")
-        srv = CompletionServer(model, tok, args.kv_format, name=args.name, host=args.host, port=args.port,
+        srv = CompletionServer(model, tok, args.kv_format, name=name, host=args.host, port=args.port,
                                prefill_mode=args.prefill, max_context=args.max_model_len)
     except (ValueError, OSError) as e:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     print(f"kvlab: serving {srv.name} with a {srv.fmt.name} KV cache (prompt + answer up to {srv.max_context:,} "
           f"tokens) at {srv.url}/v1", flush=True)
+    def terminate(*_):  # SIGTERM (docker stop, systemd, Kubernetes) stops as Ctrl-C does: answers kept
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, terminate)
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
@@ -431,6 +445,7 @@ def cmd_serve(args) -> int:
             pass
     finally:
         srv.httpd.server_close()
+        signal.signal(signal.SIGTERM, before)
     return 0
 
 

@@ -599,6 +599,7 @@ class CompletionServer:
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise RequestError(400, "'user' must be a string")
         max_new = _int_field(body, "max_tokens", 16, 0, self.max_tokens)
+        default_new = body.get("max_tokens") is None  # OpenAI's default of 16, cut to what the context leaves
         k = _int_field(body, "logprobs", None, 0, MAX_LOGPROBS, nullable=True)
         echo = body.get("echo")
         echo = False if echo is None else echo
@@ -606,6 +607,8 @@ class CompletionServer:
             raise RequestError(400, f"'echo' must be true or false, got {str(echo)[:40]!r}")
         stop = self._stop(body)
         ids = self._prompt_ids(body.get("prompt"))
+        if default_new and len(ids) < self.max_context:
+            max_new = min(max_new, self.max_context - len(ids))
         if len(ids) + max_new > self.max_context:
             raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds the "
                                     f"model's context of {self.max_context}")

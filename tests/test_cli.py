@@ -321,12 +321,15 @@ def test_serve_takes_vllms_max_model_len_up_to_the_models_positions(capsys, monk
     seen = {}
 
     def serve_forever(self):
-        seen["max_context"] = self.max_context
+        seen["max_context"], seen["name"] = self.max_context, self.name
         raise KeyboardInterrupt
 
     monkeypatch.setattr(CompletionServer, "serve_forever", serve_forever)
     assert run(["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--port", "0", "--max-model-len", "64"]) == 0
-    assert seen == {"max_context": 64} and "up to 64 tokens" in capsys.readouterr().out
+    # a model kvlab names is served under that name (the id clients send), not its folder's
+    assert seen == {"max_context": 64, "name": "kvlab-tiny"} and "up to 64 tokens" in capsys.readouterr().out
+    assert run(["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--name", " "]) == 2
+    assert "--name ' ' is empty or unprintable" in capsys.readouterr().err
 
 
 def test_a_chain_takes_its_own_default_depths():

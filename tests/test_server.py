@@ -410,9 +410,11 @@ def test_tokenize_names_the_model_as_completions_does_and_huge_logprob_answers_a
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path):
-    """SIGINT while a request is generating: the request is answered 503 (or completes), the process exits 0
-    with a line on stderr, never aborting inside torch ('terminate called without an active exception')."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path, sig):
+    """SIGINT (Ctrl-C) or SIGTERM (docker stop, systemd) while a request is generating: the request is answered
+    503 (or completes), the process exits 0 with a line on stderr, never aborting inside torch ('terminate
+    called without an active exception')."""
     import signal
     import subprocess
     import sys
@@ -445,7 +447,7 @@ def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path):
         t = threading.Thread(target=ask)
         t.start()
         time.sleep(3)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))
         out, err = proc.communicate(timeout=120)
         t.join(30)
     finally:
@@ -469,3 +471,15 @@ def test_a_content_length_with_many_leading_zeros_is_read_as_its_value(srv):
     head = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: " + b"0" * 50 + str(len(body)).encode()
                 + b"\r\n\r\n" + body)
     assert head.startswith(b"HTTP/1.0 200 "), head[:200]
+
+
+def test_without_max_tokens_the_answer_fits_what_the_context_leaves(shipped):
+    """OpenAI's default of 16 new tokens, cut to the context: a server capped at 8 tokens still answers a
+    3-token prompt that names no max_tokens, and refuses only what cannot fit."""
+    model, tok = shipped
+    with S.CompletionServer(model, tok, "int8", name="tiny", max_context=8).start() as small:
+        r = _post(small, {"prompt": [5, 6, 7]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5, r.text
+        assert _post(small, {"prompt": [5, 6, 7], "max_tokens": 6}).status_code == 400
+        assert _post(small, {"prompt": list(range(5, 13))}).status_code == 400  # 8 tokens leave no room to answer
+
