@@ -53,6 +53,20 @@ class _NotStrict(ValueError):
     pass
 
 
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all different: with a key twice, which value counts is a guess."""
+    out = dict(pairs)
+    if len(out) < len(pairs):
+        seen, twice = set(), None
+        for k, _ in pairs:
+            if k in seen:
+                twice = k
+                break
+            seen.add(k)
+        raise _NotStrict(f"the key {str(twice)[:40]!r} appears twice in one object")
+    return out
+
+
 def _no_constant(name: str):
     raise _NotStrict(f"{name} is not a JSON number")
 
@@ -261,9 +275,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         srv = self.server.kvlab
         self._have_read()
-        if self.path == "/health":
+        route = self.path.split("?", 1)[0]  # a query string (a cache-buster, a probe's tag) does not change the route
+        if route == "/health":
             return self._send(200, {"status": "ok"})
-        if self.path == "/v1/models":
+        if route == "/v1/models":
             return self._send(200, {"object": "list", "data": [
                 {"id": srv.name, "object": "model", "owned_by": "kvlab",
                  "kv_format": srv.fmt.name, "max_model_len": srv.max_context}]})
@@ -309,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not _json_depth_ok(text):
             raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
         try:
-            body = json.loads(text or "null", parse_constant=_no_constant)
+            body = json.loads(text or "null", parse_constant=_no_constant, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise RequestError(400, f"the request body is not JSON: {e}") from None
         except RecursionError:
@@ -332,9 +347,10 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body()
             # from here a shutdown waits until this request's answer (a 503 if cut short) is written
             answer.enter_context(srv.answering())
-            if self.path == "/v1/completions":
+            route = self.path.split("?", 1)[0]
+            if route == "/v1/completions":
                 return self._send(200, srv.complete(body, gone=self._client_gone))
-            if self.path == "/tokenize":
+            if route == "/tokenize":
                 return self._send(200, srv.tokenize(body))
             raise RequestError(404, f"no route POST {self.path}")
         except RequestError as e:

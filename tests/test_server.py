@@ -483,3 +483,15 @@ def test_without_max_tokens_the_answer_fits_what_the_context_leaves(shipped):
         assert _post(small, {"prompt": [5, 6, 7], "max_tokens": 6}).status_code == 400
         assert _post(small, {"prompt": list(range(5, 13))}).status_code == 400  # 8 tokens leave no room to answer
 
+
+def test_a_key_given_twice_is_refused(srv):
+    r = _post(srv, raw=b'{"prompt": "hi", "prompt": [1], "max_tokens": 1}')
+    assert r.status_code == 400 and "'prompt' appears twice" in r.json()["error"]["message"]
+
+
+def test_a_query_string_does_not_change_the_route(srv):
+    assert httpx.get(srv.url + "/health?probe=1", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(srv.url + "/v1/models?x", timeout=30).json()["data"][0]["id"] == "tiny"
+    assert _post(srv, {"prompt": "hi", "max_tokens": 1}, path="/v1/completions?trace=1").status_code == 200
+    assert httpx.get(srv.url + "/nope?x=1", timeout=30).status_code == 404
+
