@@ -253,7 +253,7 @@ def cmd_niah(args) -> int:
     else:
         print(f"{res.task} with {res.kv_format}: exact match {res.accuracy():.1%} over {len(res.rows)} cells")
         for n in res.lengths:
-            print(f"  {n:>6} tokens: " + "  ".join(f"d={d:.2f} {res.accuracy(n, d):4.0%}" for d in res.depths))
+            print(f"  {n:>6} tokens: " + "  ".join(f"d={d:.4g} {res.accuracy(n, d):4.0%}" for d in res.depths))
     return 1 if failed_write else 0
 
 
