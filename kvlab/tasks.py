@@ -231,7 +231,7 @@ def multikey(tok, length: int, depth: float, rng: random.Random, keys: int = 2,
 ORDERS_INTRO = ("\nA support assistant's context: order records returned by a search, among other retrieved "
                 "documents. Answer the question at the end from the records.")
 ORDER_RECORD = "\n[Order record] Customer: {name}. Item: {item}. Ships from: {city}."
-ORDER_QUESTION = "\n\nQuestion: Which city does {name}'s order ship from? Answer: {name}'s order ships from"
+ORDER_QUESTION = "\n\nQuestion: Which city does {name}'s order ship from?\nAnswer: {name}'s order ships from:"
 CUSTOMERS = ("Alice Moreno", "Bruno Keller", "Chen Wei", "Dana Okafor", "Elif Demir", "Farid Haddad", "Greta Lind",
              "Hiro Tanaka", "Ines Duarte", "Jonas Berg", "Kavya Rao", "Luca Ferri", "Maya Cohen", "Nils Olsen",
              "Omar Aziz", "Paula Reyes", "Quinn Walsh", "Rosa Varga", "Sami Nieminen", "Tara Singh")
