@@ -424,7 +424,8 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
             ppl = f"perplexity {r['ppl_increase']:+.1%}"
             return f"{out}; {ppl if r['ppl_ok'] else '**' + ppl + '**'}"
 
-        out.append(f"| `{f}` | " + " | ".join(verdicts(m) for m in models)
+        name = f"`{f}`" + (" (scale fitted to each prompt)" if f.startswith("fp8") else "")
+        out.append(f"| {name} | " + " | ".join(verdicts(m) for m in models)
                    + f" | {'; '.join(flags) or 'none (kvlab only)'} |")
     return "\n".join(out)
 
@@ -530,25 +531,30 @@ def _smollm2_ladder() -> tuple[dict, dict]:
         "FP8, INT8, q4_0 and the finer INT4 formats hold within 10 points":
             _claim(all(acc[n][1] >= acc[n][0] - 0.1 for n in held), acc),
     }
-    # 4.6: mitigations on SmolLM2
+    # 4.5: mitigations on SmolLM2: needles at 512 tokens from the ladder sweep, perplexity from the paired sweep
+    from .results import LONG_SWEEPS, LongSweep
+
     r = lad
+    try:
+        paired = LongSweep.load(LONG_SWEEPS["smollm2-135m"])
+        ppl = {f: paired.paired_perplexity(f)["increase"] for f in paired.formats if f != "fp32"}
+    except (FileNotFoundError, KeyError):
+        paired, ppl = None, {f: x["ppl_increase"] for f, x in lad.items()}
+    v["smol_ppl"] = ppl
     c |= {
         "rotation lifts INT4 per tensor's short needle by 20+ points":
             _claim(r["int4_tensor+rotate"]["needle_short"] > r["int4_tensor"]["needle_short"] + 0.2),
-        "and halves its perplexity cost": _claim(r["int4_tensor+rotate"]["ppl_increase"] < r["int4_tensor"]["ppl_increase"] / 2),
+        "and halves its perplexity cost": _claim(ppl["int4_tensor+rotate"] < ppl["int4_tensor"] / 2),
         "rotation cuts INT4 per token's perplexity cost threefold":
-            _claim(r["int4_token+rotate"]["ppl_increase"] < r["int4_token"]["ppl_increase"] / 3),
-        "KIVI-4 < groups of 16 < int4 in perplexity cost":
-            _claim(r["kivi-4"]["ppl_increase"] < r["int4_g16"]["ppl_increase"] < r["int4"]["ppl_increase"]),
-        "a zero point per token at least halves the cost": _claim(r["int4"]["ppl_increase"] < r["int4_token"]["ppl_increase"] / 2),
-        "sinks help, less than rotation":
-            _claim(r["int4_token+rotate"]["ppl_increase"] < r["int4_token+sinks4"]["ppl_increase"] < r["int4_token"]["ppl_increase"]),
+            _claim(ppl["int4_token+rotate"] < ppl["int4_token"] / 3),
+        "KIVI-4 < groups of 16 < int4 in perplexity cost": _claim(ppl["kivi-4"] < ppl["int4_g16"] < ppl["int4"]),
+        "a zero point per token at least halves the cost": _claim(ppl["int4"] < ppl["int4_token"] / 2),
+        "sinks help, less than rotation": _claim(ppl["int4_token+rotate"] < ppl["int4_token+sinks4"] < ppl["int4_token"]),
     }
     v |= {"L_smol": max(sweep["lengths"])}
     try:
-        from .results import LONG_SWEEPS, LongSweep
-
-        paired = LongSweep.load(LONG_SWEEPS["smollm2-135m"])
+        if paired is None:
+            raise FileNotFoundError
         # the ladder read the first LADDER_PPL_WINDOWS held-out windows: compare on those same windows
         diffs = {f: abs(paired.paired_perplexity(f, windows=LADDER_PPL_WINDOWS)["increase"] - lad[f]["ppl_increase"])
                  for f in lad if f != "fp32" and f in paired.formats}
@@ -751,7 +757,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         + ("; none that a single needle had passed." if values["orders_new_md"] == "none"
            else f"; worse there only: {values['orders_new_md']}."))
     # formats never worse on a single needle (either haystack) that the order-records rung found worse
-    values["orders_new_md"] = "; ".join(
+    values["orders_new_md"] = "not measured yet" if not any(values[k]["orders"]["measured"] for k in keys) else "; ".join(
         f"`{f}` on {values[k]['name']}" for k in keys for f, r in values[k]["orders"]["by"].items()
         if r["worse_at"] and f in values[k]["never"] and not values[k]["prose"]["by"].get(f, {}).get("worse_at")
     ) or "none"
@@ -847,6 +853,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             G["by"]["kivi-2+rotate"]["short_verdict"] == "worse" and G["by"]["kivi-2"]["short_verdict"] != "worse"
             and set(G["by"]["kivi-2"]["worse_at"]) < set(G["by"]["kivi-2+rotate"]["worse_at"]),
             (G["by"]["kivi-2"]["worse_at"], G["by"]["kivi-2+rotate"]["worse_at"])),
+        "on Gemma KIVI-2 is worse at one length, in filler sentences only":
+            _claim(len(G["by"]["kivi-2"]["worse_at"]) == 1 and not G["prose"]["by"]["kivi-2"]["worse_at"],
+                   (G["by"]["kivi-2"]["worse_at"], G["prose"]["by"]["kivi-2"]["worse_at"])),
         "on Gemma every mitigation costs more than the perplexity tolerance":
             _claim(all(not G["by"][f]["ppl_ok"] for f in CH4_MITIGATIONS if f in G["by"])),
     }
@@ -856,8 +865,22 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     # short needle and lost a longer one, in either haystack
     later_ppl = sorted({(m["ppl"][f], f) for m in both for f in m["later"] + m["prose"]["later"] if f in m["ppl"]})
     values["trap_at"], values["trap_first"] = later_ppl[0] if later_ppl else (None, None)
+    values["trap_first_md"] = "none"
+    for m in both:  # where that format lost a longer needle: the evidence the "would have been trapped" rests on
+        for stage, st in (("filler", m), ("prose", m["prose"])):
+            if values["trap_first"] in st["later"] and m["ppl"].get(values["trap_first"]) == values["trap_at"]:
+                at = st["by"][values["trap_first"]]["worse_at"]
+                cells = ", ".join(f"{_k(n)}: −{st['cell'][values['trap_first'], n]['lost']} "
+                                  f"+{st['cell'][values['trap_first'], n]['gained']}" for n in at)
+                values["trap_first_md"] = (f"`{values['trap_first']}` on {m['name']} (worse in the {stage} haystack at "
+                                           f"{cells}{'; one length only' if len(at) == 1 else ''})")
     values["never_both"] = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]
     values["never_both_md"] = names_md(values["never_both"])
+    from .formats import engine_options
+
+    # what an engineer can switch on today among the formats never worse on both models
+    values["never_both_engine_md"] = names_md([f for f in values["never_both"] if any(engine_options(f).values())])
+    values["never_both_kvlab_md"] = names_md([f for f in values["never_both"] if not any(engine_options(f).values())])
     # what "never worse" still allows: each of those formats' discordant prompts pooled over every filler length
     values["never_both_pooled_md"] = "; ".join(
         f"`{f}` " + ", ".join(f"{sum(lo for lo, _ in m['lost_gained'][f])}/{sum(ga for _, ga in m['lost_gained'][f])}"
@@ -920,8 +943,9 @@ def llamacpp_gemma(sweep, path=None) -> dict:
 
     path = path or RESULTS_DIR / "engines_llamacpp_gemma3.json"
     if sweep is None or not path.is_file():
-        return {"llama_gemma_ran": False, "llama_gemma_md": "*Not run yet:* `python scripts/compare_engines.py "
-                "--llama-cpp --model gemma3-270m` (after `make peers`) writes it.", "llama_gemma_summary_md": ""}
+        return {"llama_gemma_ran": False, "llama_gemma_md": "llama.cpp on Gemma's GGUF, paired with kvlab on the long "
+                "sweep's prompts, has not run yet: `python scripts/compare_engines.py --llama-cpp --model gemma3-270m` "
+                "(after `make peers`) writes it.", "llama_gemma_summary_md": ""}
     doc = json.loads(path.read_text())
     pairs = llamacpp_paired(doc, sweep)
     rows = ["| cache | context | llama.cpp found | vs its f16 | kvlab format (prefill) | kvlab found | vs its fp32 | "
@@ -943,7 +967,14 @@ def llamacpp_gemma(sweep, path=None) -> dict:
                   "as in kvlab: " if same else "The paired verdicts differ between the two: ")
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
                            f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + ".")
-    return {"llama_gemma_ran": True, "llama_gemma": doc, "llama_gemma_pairs": pairs, "llama_gemma_md": "\n".join(rows),
+    intro = ("The long-context model's GGUF ran in llama.cpp too, on the long sweep's own filler prompts (same seed, "
+             "depths and prompts a depth), so each llama.cpp answer pairs with kvlab's on the identical prompt. "
+             "llama.cpp's prompt reads its quantized cache, so its q4_0 sits beside kvlab's q4_0 with the prompt "
+             "reading the cache where the sweep ran that mode (4.4), and beside the full-precision prompt otherwise. "
+             "Each side is judged against its own full-precision cache (llama.cpp's f16, kvlab's fp32) by the paired "
+             "test; the last column counts the prompts on which llama.cpp and kvlab, with the same cache type, were "
+             "both right or both wrong.\n\n")
+    return {"llama_gemma_ran": True, "llama_gemma": doc, "llama_gemma_pairs": pairs, "llama_gemma_md": intro + "\n".join(rows),
             "llama_gemma_agree": same, "llama_gemma_summary_md": summary}
 
 

@@ -388,7 +388,13 @@ def verdict_markdown(sweeps: dict[str, LongSweep], formats: list[str], stage: st
             text = f"{r['correct']}/{r['prompts']}" + (f" −{r['lost']} +{r['gained']}" if r["lost"] or r["gained"] else "")
             row.append(f"**{text} ✗**" if r["verdict"] == "worse" else text)
         out.append(f"| `{fmt}` | " + " | ".join(row) + " |")
-    return "\n".join(out)
+    what = {"filler": "passkey in the filler haystack", "prose": "passkey in the prose haystack",
+            "cached": "passkey in the filler haystack, the prompt reading its own quantized cache",
+            "multikey": "two named pass keys in the filler haystack",
+            "orders": "a city from order records in the prose haystack"}[stage]
+    caption = (f"*{what.capitalize()}: needles found / prompts, then −lost +gained against `{reference}` on the same "
+               f"prompts; **✗**: worse (exact McNemar, p < {ALPHA}).*")
+    return caption + "\n\n" + "\n".join(out)
 
 
 # --------------------------------------------------------------------------- per-cell results

@@ -145,6 +145,7 @@ def test_rungs_find_the_trap_only_past_the_short_needle(tmp_path):
         R.rungs(s, "prose")
     md = R.verdict_markdown({"m": s}, ["fp32", "trapped"])
     assert "| `trapped` | 10/10 | **2/10 −8 +0 ✗** |" in md and "| `fp32` | 10/10 | 10/10 |" in md
+    assert md.startswith("*Passkey in the filler haystack: needles found / prompts, then −lost +gained against `fp32`")
     fig = R.figure_by_model({"m": s, "m2": s}, ["fp32", "trapped"])
     assert len(fig.data) == 4 and [t.showlegend for t in fig.data] == [True, True, False, False]
     assert list(fig.data[1].marker.symbol) == ["circle", "circle-open"]
