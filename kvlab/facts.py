@@ -887,6 +887,15 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                               f" on {m['name'].split()[0].split('-')[0]}" for m in both)
         for f in values["never_both"]) + " (of " + ", ".join(
         f"{m['prompts'] * len(m['lengths'])} prompts on {m['name'].split()[0].split('-')[0]}" for m in both) + ")"
+    # ... and turned into a bound: the share of prompts such a format could lose, one-sided 95% (Wilson, z = 1.645)
+    from .results import wilson
+
+    bounds = sorted(((wilson(sum(lo for lo, _ in m["lost_gained"][f]), m["prompts"] * len(m["lengths"]), 1.645)[1],
+                      f, m["name"].split()[0].split("-")[0]) for f in values["never_both"] for m in both), reverse=True)
+    values["never_both_bound"] = bounds[0][0] if bounds else None
+    values["never_both_bound_md"] = (f"at most {bounds[0][0]:.1%} of prompts for the loosest, `{bounds[0][1]}` on "
+                                     f"{bounds[0][2]}, and at most {bounds[-1][0]:.1%} for the tightest, "
+                                     f"`{bounds[-1][1]}` on {bounds[-1][2]}") if bounds else "none"
     both_claims = {
         "FP8, INT8 and q8_0 were never worse on either model":
             _claim(all({"fp8_e4m3", "int8", "q8_0"} <= set(m["never"]) for m in both)),
