@@ -439,8 +439,10 @@ def cmd_serve(args) -> int:
         srv.serve_forever()
     except KeyboardInterrupt:
         print("kvlab: stopping (a generation in progress is answered 503)", file=sys.stderr, flush=True)
-        try:
-            srv.stop_generating()  # never exit while a handler thread is inside torch: that aborts the process
+        try:  # never exit while a handler thread is inside torch: that aborts the process
+            while not srv.stop_generating(timeout=30):
+                print("kvlab: still waiting for the model to finish its current step (Ctrl-C again to force)",
+                      file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             pass
     finally:
