@@ -357,3 +357,17 @@ def test_budget_survives_absurd_sizes_and_folder_names_that_are_not_utf8(tmp_pat
     doc = json.loads(out)  # strict JSON, encodable: no lone surrogates
     out.encode("utf-8")
     assert doc["cache_bytes"] > 0 and "\ufffd" in doc["model"]
+
+
+def test_serve_keeps_waiting_for_a_step_that_outlasts_the_first_wait(capsys, monkeypatch):
+    from kvlab.server import CompletionServer
+
+    calls = []
+
+    def serve_forever(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CompletionServer, "serve_forever", serve_forever)
+    monkeypatch.setattr(CompletionServer, "stop_generating", lambda self, timeout=60: calls.append(timeout) or len(calls) > 1)
+    assert run(["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--port", "0"]) == 0
+    assert calls == [30, 30] and "still waiting for the model" in capsys.readouterr().err
