@@ -98,6 +98,7 @@ def test_shipped_llamacpp_server_comparison_has_its_schema():
     assert doc["agreement"]["prompts"] == n and "top-k" in doc["agreement"]["caveat"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,needle", [
     (["--quanto", "--quick"], "--quick is for --llama-cpp"),
     (["--hqq", "--depths", "0.5"], "--depths is not for --quanto or --hqq"),
