@@ -180,7 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         # a line without a colon ends the header block for the email parser, which silently drops every header
         # after it (Content-Length included); a folded line (obs-fold) is refused too, as RFC 9112, 5.2 allows
-        if self.headers.defects or self.headers.get_payload() or any("\n" in v for v in self.headers.values()):
+        if self.headers.defects or self.headers.get_payload() or any("\n" in v or "\x00" in v
+                                                                      for v in self.headers.values()):
             self.close_connection = True
             self.send_error(400, "Malformed header line", "every header line must be 'Name: value' on one line")
             return False
@@ -242,6 +243,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         self.send_response(405)
+        self.send_header("Allow", "GET, POST")
         self.send_header("Content-Length", "0")
         self.end_headers()
 
@@ -258,6 +260,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status == 405:  # RFC 9110, 15.5.6: a 405 names the methods the server does support
+                self.send_header("Allow", "GET, POST")
             self.end_headers()
             self.wfile.write(data)
         finally:

@@ -341,7 +341,8 @@ def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
 
 
 @pytest.mark.parametrize("headers", [b"Host: x\r\nNoColonHere\r\nContent-Length: 2\r\n",
-                                     b"Host: x\r\n folded\r\nContent-Length: 2\r\n"])
+                                     b"Host: x\r\n folded\r\nContent-Length: 2\r\n",
+                                     b"Host: x\r\nX-A: a\x00b\r\nContent-Length: 2\r\n"])
 def test_a_header_line_that_is_not_name_colon_value_is_refused(srv, headers):
     # the email parser would end the headers at such a line and drop Content-Length after it
     head = _raw(srv, b"POST /v1/completions HTTP/1.1\r\n" + headers + b"\r\n{}")
@@ -494,4 +495,10 @@ def test_a_query_string_does_not_change_the_route(srv):
     assert httpx.get(srv.url + "/v1/models?x", timeout=30).json()["data"][0]["id"] == "tiny"
     assert _post(srv, {"prompt": "hi", "max_tokens": 1}, path="/v1/completions?trace=1").status_code == 200
     assert httpx.get(srv.url + "/nope?x=1", timeout=30).status_code == 404
+
+
+def test_a_405_names_the_methods_that_work(srv):
+    for method in ("PUT", "HEAD"):
+        r = httpx.request(method, srv.url + "/health", timeout=30)
+        assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
 
