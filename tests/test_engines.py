@@ -84,6 +84,24 @@ def test_shipped_llamacpp_comparison_has_its_schema():
         assert all(0 <= r["correct"] <= r["trials"] == doc["trials"] for r in v["rows"]) and v["seconds"] > 0
 
 
+def test_shipped_llamacpp_gemma_run_pairs_with_the_long_sweep_prompt_by_prompt():
+    """llama.cpp on Gemma's GGUF ran the long sweep's own prompts: every row keeps each prompt's outcome and every
+    cache type pairs with kvlab on all 25 prompts of each length it ran."""
+    from kvlab.results import LONG_SWEEPS, LongSweep, llamacpp_paired
+
+    path = RESULTS_DIR / "engines_llamacpp_gemma3.json"
+    if not path.exists():
+        pytest.skip("llama.cpp on Gemma not shipped yet (make peers writes it)")
+    doc = json.loads(path.read_text())
+    assert doc["model"] == "gemma3-270m" and set(doc["cache_types"]) == set(engines.LLAMA_CACHE_TYPES)
+    pairs = llamacpp_paired(doc, LongSweep.load(LONG_SWEEPS["gemma3-270m"]))
+    assert set(pairs) == set(engines.LLAMA_CACHE_TYPES)
+    for by_n in pairs.values():
+        assert set(by_n) == set(doc["lengths"])
+        for x in by_n.values():
+            assert x["engine"].prompts == x["kvlab"].prompts == x["between"].prompts == len(doc["depths"]) * doc["trials"]
+
+
 def test_shipped_llamacpp_server_comparison_has_its_schema():
     from kvlab import endpoint
 
