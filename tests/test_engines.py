@@ -57,6 +57,7 @@ def test_shipped_quanto_comparison_has_its_schema():
             assert all(0 <= c <= t == doc["trials"] for c, t in row[side].values())
 
 
+@pytest.mark.slow
 def test_llamacpp_script_runs_its_first_case():
     """When llama-cpp-python is installed (make peers), the comparison script runs its first case."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make peers builds it)")
