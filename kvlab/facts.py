@@ -970,8 +970,8 @@ def llamacpp_gemma(sweep, path=None) -> dict:
             if ct != "f16":
                 agree.append((ct, n, e.verdict == k.verdict, e, k))
     same = all(g for _, _, g, _, _ in agree)
-    summary = (f"llama.cpp on the same GGUF ran {doc.get('machine', '?')}, {doc.get('date', '?')} "
-               f"({doc.get('seconds', 0) / 60:.0f} minutes). "
+    summary = (f"llama.cpp {doc.get('versions', {}).get('llama-cpp-python', '?')} (llama-cpp-python) ran on "
+               f"{doc.get('machine', '?')}, {doc.get('date', '?')}. "
                + ("Against its own full-precision cache, each quantized cache got the same paired verdict in llama.cpp "
                   "as in kvlab: " if same else "The paired verdicts differ between the two: ")
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
