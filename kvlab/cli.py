@@ -501,7 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvlab", description="Measure KV-cache quantization.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    b = sub.add_parser("budget", help="cache bytes for a model, batch, context and KV format")
+    b = sub.add_parser("budget", help="cache bytes for a model, batch, context and KV format",
+                       description="Cache bytes for a model, batch, context and KV format. With --gpu it also says "
+                                   "whether they fit, max_concurrency (sequences of --context tokens that fit) and "
+                                   "max_context (the longest context --batch sequences can hold in memory: a memory "
+                                   "limit, which can exceed the model's own window).")
     b.add_argument("--model", required=True, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
     b.add_argument("--batch", required=True, type=_int("--batch", 1, 10**7))
     b.add_argument("--context", required=True, type=_int("--context", 1, 10**9), help="tokens per sequence")
