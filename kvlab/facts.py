@@ -748,19 +748,22 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     if len(swept) > 1:
         raise ValueError(f"the order-records rung ran with different record counts: {sorted(swept)}")
     values["order_records"] = swept.pop() if swept else inspect.signature(order_lookup).parameters["records"].default
-    od = [values[k] for k in keys if values[k]["orders"]["measured"]]
-    values["orders_summary_md"] = "" if not od else (
-        "\n* **A product-like rung:** a question about one of several order records among retrieved documents (4.3). "
-        "Full precision found " + "; ".join(f"{m['orders']['ref_text']} on {m['name']}" for m in od)
-        + "; the formats worse than it there were "
-        + "; ".join(f"{m['orders']['short_md'] if not m['orders']['later'] else m['orders']['short_md'] + ', ' + m['orders']['later_md']} on {m['name']}" for m in od)
-        + ("; none that a single needle had passed." if values["orders_new_md"] == "none"
-           else f"; worse there only: {values['orders_new_md']}."))
     # formats never worse on a single needle (either haystack) that the order-records rung found worse
     values["orders_new_md"] = "not measured yet" if not any(values[k]["orders"]["measured"] for k in keys) else "; ".join(
         f"`{f}` on {values[k]['name']}" for k in keys for f, r in values[k]["orders"]["by"].items()
         if r["worse_at"] and f in values[k]["never"] and not values[k]["prose"]["by"].get(f, {}).get("worse_at")
     ) or "none"
+    od = [values[k] for k in keys if values[k]["orders"]["measured"]]
+    any_worse = any(f for m in od for f, r in m["orders"]["by"].items() if r["worse_at"])
+    values["orders_summary_md"] = "" if not od else (
+        "\n* **A product-like rung:** a tool call that must copy one of several order records' IDs from retrieved "
+        "documents (4.3). "
+        "Full precision found " + "; ".join(f"{m['orders']['ref_text']} on {m['name']}" for m in od)
+        + ("; no format was worse than full precision there." if not any_worse else
+           "; the formats worse than it there were "
+           + "; ".join(f"{m['orders']['short_md'] if not m['orders']['later'] else m['orders']['short_md'] + ', ' + m['orders']['later_md']} on {m['name']}" for m in od)
+           + ("; none that a single needle had passed." if values["orders_new_md"] == "none"
+              else f"; worse there only: {values['orders_new_md']}.")))
     for k in keys:  # each format's two prefill modes on the same prompts, by the chapter's one paired rule
         m = values[k]
         modes = {f: v["paired"] for f, v in m["cached_vs_full"].items()}

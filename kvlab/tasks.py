@@ -229,9 +229,10 @@ def multikey(tok, length: int, depth: float, rng: random.Random, keys: int = 2,
 
 
 ORDERS_INTRO = ("\nA support assistant's context: order records returned by a search, among other retrieved "
-                "documents. Answer the question at the end from the records.")
-ORDER_RECORD = "\n[Order record] Customer: {name}. Item: {item}. Ships from: {city}."
-ORDER_QUESTION = "\n\nQuestion: Which city does {name}'s order ship from?\nAnswer: {name}'s order ships from:"
+                "documents. Answer the request at the end with a tool call.")
+ORDER_RECORD = "\n[Order record] Order ID: {order_id}. Customer: {name}. Item: {item}. Ships from: {city}."
+ORDER_QUESTION = ("\n\nUser: Please cancel {name}'s order.\nAssistant: "
+                  '{{"name": "cancel_order", "arguments": {{"order_id": "')
 CUSTOMERS = ("Alice Moreno", "Bruno Keller", "Chen Wei", "Dana Okafor", "Elif Demir", "Farid Haddad", "Greta Lind",
              "Hiro Tanaka", "Ines Duarte", "Jonas Berg", "Kavya Rao", "Luca Ferri", "Maya Cohen", "Nils Olsen",
              "Omar Aziz", "Paula Reyes", "Quinn Walsh", "Rosa Varga", "Sami Nieminen", "Tara Singh")
@@ -243,26 +244,34 @@ CITIES = ("Lisbon", "Oslo", "Denver", "Nairobi", "Osaka", "Quito", "Dublin", "Pe
 
 def order_lookup(tok, length: int, depth: float, rng: random.Random, records: int = 3,
                  haystack: list[int] | None = None) -> Example:
-    """A product-like rung: a support assistant's retrieved context, ``records`` order records (customer, item,
-    warehouse city) among other documents, and a question about one customer's order, answered with a city
-    name. The asked record sits at ``depth``, the others at random sentence boundaries; every record names a
-    different customer and city, so the answer names exactly one record. Exactly ``length`` tokens.
+    """A product-like rung: a support assistant's retrieved context, ``records`` order records (a 5-digit order
+    ID, customer, item, warehouse city) among other documents, a user asking to cancel one customer's order, and
+    the assistant's tool call cut off where its JSON argument begins: the answer is that order's ID. The asked
+    record sits at ``depth``, the others at random sentence boundaries; every record has its own customer, city
+    and ID, so the answer names exactly one record. Exactly ``length`` tokens.
 
-    Unlike the passkey, the answer is a word the model must copy from a record that looks like its
-    neighbours (as in question answering over several retrieved passages, the task of Liu et al. 2023,
-    "Lost in the Middle", arXiv:2307.03172), and the haystack is real text when ``haystack`` is given."""
+    Unlike the passkey, the model must pick one record among look-alikes by a name (as in question answering over
+    several retrieved passages, Liu et al. 2023, "Lost in the Middle", arXiv:2307.03172) and copy a field into a
+    tool call's arguments; the haystack is real text when ``haystack`` is given. The ID has several digits, so in a
+    full-precision prefill all but the first answer token read the quantized cache (a one-token answer, such as
+    a city, would be decided by the prefill alone)."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     if isinstance(records, bool) or not isinstance(records, int) or not 1 <= records <= len(CUSTOMERS):
         raise ValueError(f"records must be an integer from 1 to {len(CUSTOMERS)}, got {records!r}")
     names, cities = rng.sample(CUSTOMERS, records), rng.sample(CITIES, records)
     items = [rng.choice(ITEMS) for _ in range(records)]
+    ids_: list[str] = []
+    while len(ids_) < records:  # distinct IDs: an answer names exactly one record
+        if (k := random_key(rng)) not in ids_:
+            ids_.append(k)
     intro = bos(tok) + _encode(tok, ORDERS_INTRO)
     question = _encode(tok, ORDER_QUESTION.format(name=names[0]))
-    needles = [_encode(tok, ORDER_RECORD.format(name=n, item=i, city=c)) for n, i, c in zip(names, items, cities)]
+    needles = [_encode(tok, ORDER_RECORD.format(order_id=o, name=n, item=i, city=c))
+               for o, n, i, c in zip(ids_, names, items, cities)]
     ids, start = _place(tok, intro, needles, question, length, depth, rng, haystack, f"{records} order records")
-    return Example(ids, _encode(tok, " " + cities[0]), cities[0], needle_start=start,
-                   meta={"depth": depth, "names": names, "items": items, "cities": cities})
+    return Example(ids, _encode(tok, ids_[0]), ids_[0], needle_start=start,
+                   meta={"depth": depth, "names": names, "items": items, "cities": cities, "order_ids": ids_})
 
 
 def kv_lookup(

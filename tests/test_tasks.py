@@ -117,15 +117,15 @@ def test_multikey_places_every_named_key_once_and_asks_for_the_one_at_depth(keys
 def test_order_lookup_holds_each_record_once_and_asks_about_the_one_at_depth(records, depth):
     ex = tasks.order_lookup(CharTok(), 2000, depth, random.Random(7), records=records)
     text = "".join(map(chr, ex.input_ids))
-    names, cities = ex.meta["names"], ex.meta["cities"]
-    assert len(ex.input_ids) == 2000 and len(set(names)) == len(set(cities)) == records
-    assert ex.answer == cities[0] and "".join(map(chr, ex.answer_ids)) == " " + cities[0]
-    assert text.endswith(tasks.ORDER_QUESTION.format(name=names[0]))
-    for name, city in zip(names, cities):  # each record once, each city named only in its record
-        assert text.count(f"Customer: {name}.") == 1 and text.count(f"Ships from: {city}.") == 1
-        assert text.count(city) == 1
-    assert text[ex.needle_start:].startswith(f"\n[Order record] Customer: {names[0]}.")
-    recs = [tasks.ORDER_RECORD.format(name=n, item=i, city=c) for n, i, c in zip(names, ex.meta["items"], cities)]
+    names, order_ids = ex.meta["names"], ex.meta["order_ids"]
+    assert len(ex.input_ids) == 2000 and len(set(names)) == len(set(order_ids)) == len(set(ex.meta["cities"])) == records
+    assert ex.answer == order_ids[0] and "".join(map(chr, ex.answer_ids)) == order_ids[0]
+    assert text.endswith(tasks.ORDER_QUESTION.format(name=names[0])) and text.endswith('{"order_id": "')
+    for name, o in zip(names, order_ids):  # each record once, each ID only in its record
+        assert text.count(f"Customer: {name}.") == 1 and text.count(o) == 1
+    assert text[ex.needle_start:].startswith(f"\n[Order record] Order ID: {order_ids[0]}. Customer: {names[0]}.")
+    recs = [tasks.ORDER_RECORD.format(order_id=o, name=n, item=i, city=c)
+            for o, n, i, c in zip(order_ids, names, ex.meta["items"], ex.meta["cities"])]
     hay = text[len(tasks.ORDERS_INTRO):len(text) - len(tasks.ORDER_QUESTION.format(name=names[0]))]
     before = text[len(tasks.ORDERS_INTRO):ex.needle_start]
     for r in recs:  # the haystack alone, and the part of it before the asked record
