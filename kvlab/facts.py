@@ -740,14 +740,12 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
     values["multikey_md"] = _stage_md([values[k] for k in keys], "multikey")
     values["orders_md"] = _stage_md([values[k] for k in keys], "orders")
-    import inspect
-
-    from .tasks import order_lookup
+    from .tasks import ORDER_RECORDS
 
     swept = {r.get("records") for m in values["sweeps"].values() for r in m.records if r["stage"] == "orders"}
     if len(swept) > 1:
         raise ValueError(f"the order-records rung ran with different record counts: {sorted(swept)}")
-    values["order_records"] = swept.pop() if swept else inspect.signature(order_lookup).parameters["records"].default
+    values["order_records"] = swept.pop() if swept else ORDER_RECORDS
     # formats never worse on a single needle (either haystack) that the order-records rung found worse
     values["orders_new_md"] = "not measured yet" if not any(values[k]["orders"]["measured"] for k in keys) else "; ".join(
         f"`{f}` on {values[k]['name']}" for k in keys for f, r in values[k]["orders"]["by"].items()

@@ -219,9 +219,11 @@ class LongSweep:
         want = len(self.header.get("depths") or []) * (self.header.get("per_depth") or 0)
         if not complete or not want:
             return found
-        return [n for n in found if len(self._by_prompt(stage, n)) >= want]
+        return [n for n in found if len(self.outcomes(stage, n)) >= want]
 
-    def _by_prompt(self, stage: str, length: int) -> dict[tuple, dict]:
+    def outcomes(self, stage: str, length: int) -> dict[tuple, dict]:
+        """Each prompt's outcome at ``length`` in ``stage``: ``{(depth, index): {format: correct}}``; a key names
+        the same prompt in every format (and in the filler and cached stages, which share their prompts)."""
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         return {(r["depth"], r["index"]): r["correct"] for r in self.records
@@ -229,7 +231,7 @@ class LongSweep:
 
     def counts(self, stage: str, fmt: str, length: int) -> tuple[int, int]:
         """``(correct, prompts)`` of ``fmt`` at ``length`` in ``stage``."""
-        outs = [c[fmt] for c in self._by_prompt(stage, length).values() if fmt in c]
+        outs = [c[fmt] for c in self.outcomes(stage, length).values() if fmt in c]
         return sum(outs), len(outs)
 
     def paired(self, stage: str, fmt: str, length: int, reference: str = "fp32",
@@ -239,12 +241,12 @@ class LongSweep:
         gives the same answer whichever way the prompt attends. ``reference_stage`` takes the reference's
         answers from another stage with the same prompts: ``paired("cached", "q4_0", n, "q4_0", "filler")``
         sets one format's two prefill modes side by side."""
-        mine = self._by_prompt(stage, length)
+        mine = self.outcomes(stage, length)
         if reference_stage is None:
             reference_stage = "filler" if stage == "cached" else stage
         if {stage, reference_stage} - {"filler", "cached"} and stage != reference_stage:
             raise ValueError(f"{stage!r} and {reference_stage!r} do not share prompts (only filler and cached do)")
-        ref = self._by_prompt(reference_stage, length)
+        ref = self.outcomes(reference_stage, length)
         keys = [k for k in mine if fmt in mine[k] and k in ref and reference in ref[k]]
         if not keys:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran at {length} tokens in {stage!r}")
@@ -678,10 +680,10 @@ def llamacpp_paired(llama: dict, sweep: LongSweep) -> dict:
                 stage, col = "filler", "fp32"
             else:
                 stage, col = ("cached" if sweep.counts("cached", preset, n)[1] else "filler"), preset
-            ours = {k: c[col] for k, c in sweep._by_prompt(stage, n).items() if col in c}
+            ours = {k: c[col] for k, c in sweep.outcomes(stage, n).items() if col in c}
             if not ours:
                 raise ValueError(f"the long sweep has no {col!r} at {n} tokens")
-            base = {k: c["fp32"] for k, c in sweep._by_prompt("filler", n).items() if "fp32" in c}
+            base = {k: c["fp32"] for k, c in sweep.outcomes("filler", n).items() if "fp32" in c}
             keys = sorted(set(eng) & set(ref) & set(ours) & set(base))
             if not keys:
                 raise ValueError(f"llama.cpp {ct} and the long sweep share no prompt at {n} tokens")

@@ -202,12 +202,15 @@ def _place(tok, intro: list[int], needles: list[list[int]], question: list[int],
     return ids, start
 
 
+# the harder rungs' defaults, as chapter 4's sweeps ran them: named keys in a multi-key prompt, records in an order lookup
+MULTIKEY_KEYS, ORDER_RECORDS = 2, 3
+
 MULTI_INTRO = "\nSeveral pass keys hide in the long text below, each with a name. Find them and remember them."
 MULTI_NEEDLE = " The pass key for {name} is {key}."
 MULTI_QUESTION = " What is the pass key for {name}? The pass key for {name} is"
 
 
-def multikey(tok, length: int, depth: float, rng: random.Random, keys: int = 2,
+def multikey(tok, length: int, depth: float, rng: random.Random, keys: int = MULTIKEY_KEYS,
              haystack: list[int] | None = None) -> Example:
     """A harder passkey prompt (RULER's multi-key needle, Hsieh et al. 2024, arXiv:2404.06654): ``keys``
     named pass keys in the haystack, the one asked for at ``depth`` and the others at random sentence
@@ -242,7 +245,7 @@ CITIES = ("Lisbon", "Oslo", "Denver", "Nairobi", "Osaka", "Quito", "Dublin", "Pe
           "Cairo", "Krakow", "Lima", "Boston", "Madrid", "Vienna", "Austin", "Manila", "Bergen")
 
 
-def order_lookup(tok, length: int, depth: float, rng: random.Random, records: int = 3,
+def order_lookup(tok, length: int, depth: float, rng: random.Random, records: int = ORDER_RECORDS,
                  haystack: list[int] | None = None) -> Example:
     """A product-like rung: a support assistant's retrieved context, ``records`` order records (a 5-digit order
     ID, customer, item, warehouse city) among other documents, a user asking to cancel one customer's order, and

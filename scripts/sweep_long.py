@@ -47,8 +47,7 @@ LENGTHS = [1024, 4096, 8192, 32768, 16384]  # 32k before 16k: the headline first
 CORE = ["fp32", "fp8_e4m3", "int8", "q8_0", "int4", "int4_token", "int4_tensor", "q4_0", "kivi-4", "kivi-2"]
 CACHED = ["fp8_e4m3", "int8", "q4_0", "int4_token"]
 CACHED_LENGTHS = [8192, 32768]
-MULTIKEY_KEYS, MULTIKEY_LENGTHS = 2, [4096, 8192]
-ORDER_RECORDS, ORDER_LENGTHS = 3, [4096, 8192]
+MULTIKEY_LENGTHS = ORDER_LENGTHS = [4096, 8192]
 # per-layer-type mixes on a hybrid model: INT4 only where the layer attends globally, or only on the windows
 # (kvlab.formats resolves these names: int4_token on one layer type, full precision on the others)
 MIXED = ["int4_token@global", "int4_token@sliding"]
@@ -61,6 +60,17 @@ def plan_of(args, lengths: list[int]) -> list[tuple[str, int]]:
         if stage in args.stages:
             plan += [(stage, n) for n in (own if not args.quick else lengths[-1:]) if n in lengths]
     return plan
+
+
+def prompt_maker(stage: str, hay: list[int]):
+    """The function that builds ``stage``'s prompts, ``make(tok, length, depth, rng)``; the prose and orders stages
+    cut their haystack from ``hay`` (token ids), the filler and cached stages share the filler passkey's."""
+    from kvlab import tasks
+
+    return {"prose": lambda t, n, d, r: tasks.passkey(t, n, d, r, haystack=hay),
+            "multikey": lambda t, n, d, r: tasks.multikey(t, n, d, r, keys=tasks.MULTIKEY_KEYS),
+            "orders": lambda t, n, d, r: tasks.order_lookup(t, n, d, r, records=tasks.ORDER_RECORDS, haystack=hay),
+            }.get(stage, tasks.passkey)
 
 
 def _resume_lines(path: Path, p) -> list[dict]:
@@ -171,11 +181,8 @@ def main(argv=None):
         print(f"resuming: {len(done)} prompts already measured", flush=True)
     # every stage's prompt must fit its shortest length: say so now, not after the header and hours of work
     for stage, n in plan_of(args, lengths):
-        make = {"multikey": lambda n_: tasks.multikey(tok, n_, 0.5, random.Random(0), keys=MULTIKEY_KEYS),
-                "orders": lambda n_: tasks.order_lookup(tok, n_, 0.5, random.Random(0), records=ORDER_RECORDS,
-                                                        haystack=hay)}.get(stage, lambda n_: tasks.passkey(tok, n_, 0.5, random.Random(0)))
         try:
-            make(n)
+            prompt_maker(stage, hay)(tok, n, 0.5, random.Random(0))
         except ValueError as e:
             p.error(f"--lengths: the {stage} stage cannot use {n} tokens: {e}")
     machine = (f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads")
@@ -206,10 +213,7 @@ def main(argv=None):
                        "seconds": round(time.time() - t0, 1)})
                 print(f"perplexity window #{i}: {time.time() - t0:.1f}s", flush=True)
         for stage, n in plan:
-            make = {"prose": lambda t, n_, d, r: tasks.passkey(t, n_, d, r, haystack=hay),
-                    "multikey": lambda t, n_, d, r: tasks.multikey(t, n_, d, r, keys=MULTIKEY_KEYS),
-                    "orders": lambda t, n_, d, r: tasks.order_lookup(t, n_, d, r, records=ORDER_RECORDS, haystack=hay),
-                    }.get(stage, tasks.passkey)
+            make = prompt_maker(stage, hay)
             seed = {"prose": 1, "multikey": 2, "orders": 3}.get(stage, 0)
             for d in depths:
                 todo = [i for i in range(per_depth) if (stage, n, float(d), i) not in done]
@@ -227,9 +231,9 @@ def main(argv=None):
                            "prefill": mode[stage], "length": n, "depth": float(d), "index": i, "key": ex.answer,
                            "correct": correct, "seconds": round(time.time() - t0, 1)}
                     if stage == "multikey":
-                        rec["keys"] = MULTIKEY_KEYS
+                        rec["keys"] = tasks.MULTIKEY_KEYS
                     if stage == "orders":
-                        rec["records"] = ORDER_RECORDS
+                        rec["records"] = tasks.ORDER_RECORDS
                     write(rec)
                     ok = sum(correct.values())
                     print(f"{stage} {n} d={d} #{i}: {ok}/{len(correct)} formats right, {rec['seconds']}s", flush=True)

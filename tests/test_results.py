@@ -95,6 +95,12 @@ def test_the_multikey_rung_is_paired_within_its_own_prompts(tmp_path):
     m = s.paired("multikey", "int4", 1024)
     assert (m.prompts, m.ref_correct, m.lost, m.gained, m.verdict) == (6, 5, 5, 1, "not distinguishable")
     assert s.lengths("multikey", complete=False) == [1024]
+    # each prompt's outcome, keyed by (depth, index): the same keys name different prompts in another stage
+    assert s.outcomes("multikey", 1024)[(0.0, 5)] == {"fp32": False, "int4": True}
+    assert s.outcomes("filler", 1024)[(0.0, 5)] == {"fp32": True, "int4": True}
+    assert s.outcomes("multikey", 2048) == {}
+    with pytest.raises(ValueError, match="stage must be one of"):
+        s.outcomes("haystack", 1024)
 
 
 def _ppl(i, tokens=10, **nll):
