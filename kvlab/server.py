@@ -187,6 +187,22 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         return True
 
+    def handle(self):
+        """As http.server does, except that a TLS handshake (a client that took this plain-HTTP server for an
+        https:// one) is answered at once, not when the request deadline runs out: it sends no line to wait for.
+        A TLS record starts with its content type, 0x16 for a handshake; no HTTP method starts with that byte."""
+        try:
+            first = self.connection.recv(1, socket.MSG_PEEK)
+        except TimeoutError:
+            self._timed_out()
+            return
+        except OSError:
+            return
+        if first == b"\x16":
+            self._answer_early(_raw_error(400, "Bad Request", "this server speaks plain HTTP: use http://, not https://"))
+            return
+        super().handle()
+
     def setup(self):
         super().setup()
         self.read_done = False  # set once the whole request is read; a client that drips it is cut off

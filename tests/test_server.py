@@ -335,6 +335,10 @@ def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
         s.sendall(b"GET /health\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.0 400 ") and time.time() - t0 < 5  # at once, not at the timeout
     assert b'"invalid_request_error"' in _raw(srv, b"BREW /pot HTTP/1.1\r\n\r\n")  # 501: the client's mistake
+    # a TLS ClientHello (https:// against this plain-HTTP server) has no line to wait for: answered at once
+    t0 = time.time()
+    head = _raw(srv, bytes.fromhex("16030100c4010000c00303") + bytes(32), wait=10)
+    assert head.startswith(b"HTTP/1.0 400 ") and b"http://" in head and time.time() - t0 < 5
     r = _post(srv, {"prompt": "hi", "add_special_tokens": False, "bogus": 1}, path="/tokenize")
     assert r.status_code == 400 and "'bogus'" in r.json()["error"]["message"]
     assert _post(srv, {"prompt": "hi", "model": "tiny"}, path="/tokenize").json()["count"] >= 1
