@@ -224,10 +224,13 @@ def cmd_niah(args) -> int:
         print(f"kvlab: error: {e}", file=sys.stderr)
         return 2
     from . import evals  # the model stack, after the cheap checks
-    from .models import load_model
+    from .models import load_model, load_tokenizer
 
-    try:
-        model, tok = load_model(args.model)
+    try:  # every prompt is built with the tokenizer alone first: a length the task cannot use is refused in seconds
+        tok = load_tokenizer(args.model)
+        evals.check_prompts(tok, args.task, args.lengths, args.depths, hops=args.hops, haystack=args.haystack,
+                            haystack_text=text)
+        model, tok = load_model(args.model, tokenizer=tok)
         if args.task == "passkey":
             res = evals.passkey_sweep(model, tok, args.kv_format, args.lengths, args.depths, args.trials,
                                       seed=args.seed, progress=not args.json, prefill=args.prefill,

@@ -213,6 +213,13 @@ def passkey_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(0.0, 0.5
     ``chunk`` prefills that many tokens per forward, as engines do, so 32k fits on a laptop.
     """
     _check_mode(prefill, haystack)
+    make, haystack = _passkey_maker(tok, lengths, haystack, haystack_text)
+    return _sweeps("passkey", make, model, tok, fmts, list(lengths), list(depths), trials, seed, batch_size,
+                   progress, prefill, {"haystack": haystack}, chunk)
+
+
+def _passkey_maker(tok, lengths, haystack: str, haystack_text: str | None):
+    """The passkey prompts' maker for a haystack, and the haystack's name (``"text"`` for a user's own text)."""
     if haystack_text is not None:
         if not isinstance(haystack_text, str) or not haystack_text.strip():
             raise ValueError("haystack_text must be a non-empty string")
@@ -220,9 +227,25 @@ def passkey_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(0.0, 0.5
     hay = tasks.prose_tokens(tok, haystack_text) if haystack in ("prose", "text") else None
     if hay is not None and len(hay) < max(lengths):
         raise ValueError(f"the haystack text has {len(hay)} tokens, fewer than the longest length {max(lengths)}")
-    return _sweeps("passkey", lambda t, n, d, r: tasks.passkey(t, n, d, r, haystack=hay), model, tok, fmts,
-                   list(lengths), list(depths), trials, seed, batch_size, progress, prefill, {"haystack": haystack},
-                   chunk)
+    return (lambda t, n, d, r: tasks.passkey(t, n, d, r, haystack=hay)), haystack
+
+
+def check_prompts(tok, task: str, lengths, depths, *, hops: int = 2, haystack: str = "filler",
+                  haystack_text: str | None = None) -> None:
+    """Build one prompt of each (length, depth) a sweep would run, with the tokenizer alone: a length too short
+    for the task (or a haystack too short for a length) is refused before any model loads. ``task`` is
+    ``"passkey"`` or ``"chain"``; the other arguments are the sweep's."""
+    _check_args(lengths, depths, 1)
+    if task == "passkey":
+        _check_mode("full", haystack)
+        make = _passkey_maker(tok, lengths, haystack, haystack_text)[0]
+    elif task == "chain":
+        make = lambda t, n, d, r: tasks.variable_chain(t, n, d, r, hops=hops)  # noqa: E731
+    else:
+        raise ValueError(f"task must be 'passkey' or 'chain', got {task!r}")
+    for n in lengths:
+        for d in depths:
+            sweep_prompts(make, tok, n, d, 1)
 
 
 def passkey_sweep(model, tok, fmt="bf16", lengths=(512, 1024, 2048), depths=(0.0, 0.5, 1.0), trials=5,

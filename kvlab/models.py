@@ -217,10 +217,34 @@ def reachable(src: str | Path) -> None:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def _source(name_or_path) -> str | Path:
+    """What ``from_pretrained`` reads for a model name, checked: reachable, and a folder holds a tokenizer."""
+    src = resolve(name_or_path)
+    reachable(src)
+    folder = Path(src)
+    if folder.is_dir() and not any((folder / f).exists() for f in _TOKENIZER_FILES):
+        raise ValueError(f"could not load model {str(src)!r}: the folder has no tokenizer "
+                         f"(none of {', '.join(_TOKENIZER_FILES)})")
+    return src
+
+
+def load_tokenizer(name_or_path: str | Path | None = None):
+    """The model's tokenizer alone, without its weights: enough to build (and check) prompts before the model
+    loads. Same names as :func:`load_model`."""
+    from transformers import AutoTokenizer
+
+    src = _source(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load the tokenizer of {str(src)!r}: {str(e).splitlines()[0]}") from None
+
+
 def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu"):
+               device: str | torch.device = "cpu", tokenizer=None):
     """``(model, tokenizer)`` in eval mode. Default: SmolLM2-135M-Instruct (see the module docstring).
 
+    ``tokenizer``: one already loaded for this model (:func:`load_tokenizer`), used instead of loading it again.
     The model's attention implementation is ``"kvlab"``: SDPA for every cache except a
     :class:`kvlab.cache.KVQuantCache`, whose decode steps read the quantized stores directly.
     """
@@ -228,18 +252,13 @@ def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = t
 
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
-    src = resolve(name_or_path)
-    reachable(src)
-    folder = Path(src)
-    if folder.is_dir() and not any((folder / f).exists() for f in _TOKENIZER_FILES):
-        raise ValueError(f"could not load model {str(src)!r}: the folder has no tokenizer "
-                         f"(none of {', '.join(_TOKENIZER_FILES)})")
+    src = _source(name_or_path)
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Loading weights" bar in every chapter's output
     try:
-        tok = AutoTokenizer.from_pretrained(src)
+        tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()
     except (OSError, ValueError) as e:
         raise ValueError(

@@ -121,6 +121,19 @@ def test_niah_refuses_lengths_past_the_models_window(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
+    (["--lengths", "1"], "too short for a passkey prompt"),
+    (["--task", "chain", "--hops", "50", "--lengths", "64"], "too short for a 50-hop chain"),
+])
+def test_niah_refuses_a_length_its_task_cannot_use_before_the_model_loads(monkeypatch, capsys, argv, needle):
+    import kvlab.models
+    from kvlab.cli import main
+
+    monkeypatch.setattr(kvlab.models, "load_model", lambda *a, **k: pytest.fail("niah loaded the model first"))
+    assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,needle", [
     (["budget", "--model", "CONFIG", "--batch", "1", "--context", "8", "--gpu", "H100-80GB"], "num_key_value_heads must be > 0"),
     (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gpu", "H100-80GB", "--tp", "64"],
      "must divide the model's 32 attention heads"),

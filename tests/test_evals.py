@@ -112,6 +112,19 @@ def test_teacher_comparison_against_itself_is_perfect(tiny_llama):
     assert noisy["kl"] >= 0
 
 
+def test_prompts_are_checked_with_the_tokenizer_alone():
+    evals.check_prompts(CharTok(), "passkey", [300, 600], [0.0, 1.0])
+    evals.check_prompts(CharTok(), "chain", [600], [1.0], hops=2)
+    for task, kw, match in (("passkey", dict(lengths=[8]), "too short for a passkey prompt"),
+                            ("chain", dict(lengths=[100], hops=40), "too short for a 40-hop chain"),
+                            ("passkey", dict(lengths=[0]), "lengths must be positive"),
+                            ("passkey", dict(depths=[2.0]), "depths must be numbers in"),
+                            ("passkey", dict(haystack="soup"), "haystack must be one of"),
+                            ("haystack", {}, "task must be 'passkey' or 'chain'")):
+        with pytest.raises(ValueError, match=match):
+            evals.check_prompts(CharTok(), task, **(dict(lengths=[300], depths=[0.5]) | kw))
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(lengths=[0]), "lengths"), (dict(depths=[1.5]), "depths"), (dict(trials=0), "trials"),
     (dict(fmt="int3"), "unknown KV format"),
