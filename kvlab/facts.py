@@ -279,6 +279,8 @@ def _model_facts(sweep) -> dict:
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
         "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"), "multikey": _lists(sweep, "multikey"),
         "orders": _lists(sweep, "orders"),
+        "orders_pooled": {f: sweep.paired_pooled("orders", f) for f in sweep.formats if f != "fp32"}
+        if sweep.lengths("orders") else {},
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
                                         "paired": sweep.paired("cached", f, n, f, "filler")}
@@ -751,6 +753,17 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         f"`{f}` on {values[k]['name']}" for k in keys for f, r in values[k]["orders"]["by"].items()
         if r["worse_at"] and f in values[k]["never"] and not values[k]["prose"]["by"].get(f, {}).get("worse_at")
     ) or "none"
+    # the rung's lengths pooled into one paired test per format: full precision's low rate leaves one length's
+    # test few prompts a format could lose
+    for k in keys:
+        m = values[k]
+        m["orders_pooled_worse"] = [f for f, pr in m["orders_pooled"].items() if pr.verdict == "worse"]
+    values["orders_pooled_md"] = "; ".join(
+        f"{names_md(values[k]['orders_pooled_worse'])} on {values[k]['name']}" for k in keys
+        if values[k]["orders"]["measured"])
+    values["orders_pooled_new"] = [f"`{f}` on {values[k]['name']}" for k in keys for f in values[k]["orders_pooled_worse"]
+                                   if f in values[k]["never"] and not values[k]["prose"]["by"].get(f, {}).get("worse_at")]
+    values["orders_pooled_new_md"] = "; ".join(values["orders_pooled_new"]) or "none"
     od = [values[k] for k in keys if values[k]["orders"]["measured"]]
     any_worse = any(f for m in od for f, r in m["orders"]["by"].items() if r["worse_at"])
     values["orders_summary_md"] = "" if not od else (

@@ -19,6 +19,7 @@ where the two disagree (Fagerland, Lydersen & Laake 2013, *BMC Med Res Methodol*
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -254,6 +255,19 @@ class LongSweep:
         b = [ref[k][reference] for k in keys]
         return Paired(fmt, reference, len(keys), sum(a), sum(b),
                       lost=sum(y and not x for x, y in zip(a, b)), gained=sum(x and not y for x, y in zip(a, b)))
+
+    def paired_pooled(self, stage: str, fmt: str, reference: str = "fp32") -> Paired:
+        """``fmt`` against ``reference`` on every prompt of every complete length of ``stage`` at once: the same
+        paired test with more prompts (each prompt is still compared with itself), so a loss too small for one
+        length's test can show. Lengths where either did not run are skipped."""
+        parts = []
+        for n in self.lengths(stage):
+            with contextlib.suppress(KeyError):
+                parts.append(self.paired(stage, fmt, n, reference))
+        if not parts:
+            raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stage!r}")
+        return Paired(fmt, reference, *(sum(getattr(x, a) for x in parts)
+                                         for a in ("prompts", "correct", "ref_correct", "lost", "gained")))
 
     def table(self, stage: str = "filler", reference: str = "fp32") -> list[dict]:
         """One row per (format, length) measured in ``stage``: rate, interval, and the paired verdict."""

@@ -103,6 +103,20 @@ def test_the_multikey_rung_is_paired_within_its_own_prompts(tmp_path):
         s.outcomes("haystack", 1024)
 
 
+def test_pooling_lengths_is_the_same_paired_test_on_more_prompts(tmp_path):
+    """-4 +0 at each of two lengths: not distinguishable at either (p = 0.125), worse pooled (-8 +0, p = 0.008)."""
+    header = {"kind": "header", "model": "m", "formats": {"fp32": {}, "int4": {}}, "depths": [0.0], "per_depth": 6}
+    recs = [_rec("orders", n, 0.0, i, fp32=True, int4=i >= 4) for n in (1024, 2048) for i in range(6)]
+    recs += [_rec("orders", 4096, 0.0, 0, fp32=True, int4=False)]  # an incomplete length is left out
+    s = R.LongSweep.load(_write(tmp_path, recs, header))
+    assert [s.paired("orders", "int4", n).verdict for n in (1024, 2048)] == ["not distinguishable"] * 2
+    pooled = s.paired_pooled("orders", "int4")
+    assert (pooled.prompts, pooled.correct, pooled.ref_correct, pooled.lost, pooled.gained) == (12, 4, 12, 8, 0)
+    assert pooled.verdict == "worse" and pooled.p == pytest.approx(2 / 256)
+    with pytest.raises(KeyError, match="no prompts"):
+        s.paired_pooled("prose", "int4")
+
+
 def _ppl(i, tokens=10, **nll):
     return {"stage": "perplexity", "length": tokens + 1, "depth": 0.0, "index": i, "tokens": tokens, "nll": nll}
 
