@@ -62,6 +62,13 @@ def _fraction(text):
     return v
 
 
+def _model_name(text):
+    """A model name or path: not empty (an empty one would mean the default only by accident)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a model name or path")
+    return text
+
+
 def _kv_format(text):
     try:
         return get_format(text).name
@@ -307,6 +314,10 @@ def cmd_niah_endpoint(args) -> int:
         return 2
     out = Path(args.out or "kvlab-endpoints.json")
     journal = out.with_suffix(".requests.jsonl")
+    if out.name.endswith(".requests.jsonl"):  # another run's journal: writing the result there would replace it
+        print(f"kvlab: error: --out {args.out}: a name ending in .requests.jsonl is a run's journal; give the "
+              "result's own name (e.g. result.json, whose journal is result.requests.jsonl)", file=sys.stderr)
+        return 2
     interrupted = False
     for path, flag in ((out, "--out"), (journal, "--out's journal")):
         if why := out_problem(path, flag):  # before any request: the answers must have somewhere to go
@@ -442,12 +453,14 @@ def cmd_serve(args) -> int:
         srv.serve_forever()
     except KeyboardInterrupt:
         print("kvlab: stopping (a generation in progress is answered 503)", file=sys.stderr, flush=True)
+        srv.httpd.socket.close()  # new connections are refused at once, not accepted and left waiting
         try:  # never exit while a handler thread is inside torch: that aborts the process
             while not srv.stop_generating(timeout=30):
                 print("kvlab: still waiting for the model to finish its current step (Ctrl-C again to force)",
                       file=sys.stderr, flush=True)
-        except KeyboardInterrupt:
-            pass
+        except KeyboardInterrupt:  # forced: leave without unwinding (an interpreter exit under torch aborts)
+            print("kvlab: forced to stop; the request in progress gets no answer", file=sys.stderr, flush=True)
+            os._exit(130)
     finally:
         srv.httpd.server_close()
         signal.signal(signal.SIGTERM, before)
@@ -509,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "whether they fit, max_concurrency (sequences of --context tokens that fit) and "
                                    "max_context (the longest context --batch sequences can hold in memory: a memory "
                                    "limit, which can exceed the model's own window).")
-    b.add_argument("--model", required=True, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
+    b.add_argument("--model", required=True, type=_model_name, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
     b.add_argument("--batch", required=True, type=_int("--batch", 1, 10**7))
     b.add_argument("--context", required=True, type=_int("--context", 1, 10**9), help="tokens per sequence")
     b.add_argument("--kv-dtype", default="bf16", type=_kv_format, help="KV format (see `kvlab formats`)")
@@ -523,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("niah", help="needle-in-a-haystack (or multi-hop) exact match through a KV format")
     n.add_argument("--kv-format", type=_kv_format, help="KV format (see `kvlab formats`); required without --endpoint")
-    n.add_argument("--model", default=None, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
+    n.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
                                                  "a model folder or a hub name")
     n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=None,
@@ -563,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="an OpenAI-compatible completions server for a model through a kvlab KV format")
     v.add_argument("--kv-format", required=True, type=_kv_format, help="KV format (see `kvlab formats`)")
-    v.add_argument("--model", default=None, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
+    v.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
     v.add_argument("--name", help="the model id it answers to (default: the model's path)")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=_int("--port", 0, 65535), default=8000)
@@ -580,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", choices=["system-prompt", "chat", "rag", "few-shot"])
     src.add_argument("--trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)")
-    s.add_argument("--model", default="llama-3.1-8b", help="preset name or config.json path")
+    s.add_argument("--model", default="llama-3.1-8b", type=_model_name, help="preset name or config.json path")
     s.add_argument("--gpu", default="H100-80GB")
     s.add_argument("--kv-dtype", default="bf16", type=_kv_format)
     s.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))

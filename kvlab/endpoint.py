@@ -27,6 +27,7 @@ import json
 import math
 import re
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, as_completed, wait
@@ -172,6 +173,9 @@ class Endpoint:
                 last = f"no answer within {self.timeout:g} s"
                 continue
             except httpx.ConnectError as e:
+                if "SSL" in str(e) or "TLS" in str(e):  # a handshake that failed fails again: no retry
+                    raise EndpointError(f"{url}: the TLS handshake failed ({e}); if the server speaks plain HTTP, "
+                                        "use http:// rather than https://") from None
                 last = f"cannot connect ({e}); is the server running at {self.url}?"
                 continue
             except httpx.HTTPError as e:  # the connection dropped mid-answer
@@ -531,6 +535,10 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
                     if nxt is not None:
                         running.add(pool.submit(one, *nxt))
         except KeyboardInterrupt:
+            if running:  # say why nothing happens yet: the answers on their way can take a request's timeout
+                bar.clear()
+                print(f"kvlab: interrupted; waiting for {len(running)} request(s) in flight to answer (Ctrl-C again "
+                      "to stop now; every answer already received is kept)", file=sys.stderr, flush=True)
             try:
                 for fut in as_completed(running):  # the answers already on their way are kept
                     write(fut.result())
@@ -614,6 +622,7 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
     by = {u: {r["key"]: r for r in records if r["endpoint"] == u} for u in urls}
     task = next((r["task"] for r in records), "passkey")
     doc = {"task": task, "teacher": teacher_url, "student": urls[1] if student_url else None,
+           "lengths": sorted({r["length"] for r in records}),  # asked, answered or not
            "results": {u: asdict(_result(list(by[u].values()), u, task)) for u in urls},
            "errors": {u: [{"key": k, "error": r["error"]} for k, r in by[u].items() if r.get("error")] for u in urls},
            "length_check": {u: max((abs(r["prompt_tokens"] - r["length"]) for r in by[u].values()
@@ -656,14 +665,21 @@ def markdown(doc: dict) -> str:
     """The side-by-side as a Markdown table: exact match per length for each endpoint, and the agreement."""
     res = results(doc)
     urls = list(res)
-    lengths = sorted({n for r in res.values() for n in r.lengths})
+    lengths = sorted(set(doc.get("lengths") or []) | {n for r in res.values() for n in r.lengths})
     head = "| endpoint | " + " | ".join(f"{n} tokens" for n in lengths) + " |\n|---|" + "---|" * len(lengths)
+    if not lengths:
+        head = "| endpoint | exact match |\n|---|---|"
     def cell(r: EvalResult, n: int) -> str:
         c, t = counts(r.rows, length=n)
         return f"{c}/{t}" if t else "—"
 
-    rows = [f"| {u} | " + " | ".join(cell(res[u], n) for n in lengths) + " |" for u in urls]
+    rows = [f"| {u} | " + (" | ".join(cell(res[u], n) for n in lengths) if lengths else "no answers") + " |"
+            for u in urls]
     out = head + "\n" + "\n".join(rows)
+    failed = {u: len(e) for u, e in (doc.get("errors") or {}).items() if e}
+    if failed:  # a cell counts answered prompts only ("—": none answered)
+        out += "\n\nFailed after their retries (not counted above): " + ", ".join(
+            f"{n} request(s) to {u}" for u, n in failed.items()) + "."
     if doc.get("student"):
         a = doc.get("agreement")
         out += f"\n\n{len(doc['disagreements'])} prompts answered differently."

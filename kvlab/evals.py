@@ -83,25 +83,29 @@ def _last_logits(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 @torch.no_grad()
-def run_prompt(model, input_ids: torch.Tensor, cache, chunk: int | None = None) -> torch.Tensor:
+def run_prompt(model, input_ids: torch.Tensor, cache, chunk: int | None = None, between=None) -> torch.Tensor:
     """Feed ``input_ids`` into ``cache``, ``chunk`` tokens per forward (all at once by default), as an engine's
-    chunked prefill does; the logits of the last position. Chunks keep a 32k prompt's attention scores small."""
+    chunked prefill does; the logits of the last position. Chunks keep a 32k prompt's attention scores small.
+    ``between``: called before every chunk but the first (a server checks there whether to stop)."""
     if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
         raise ValueError(f"chunk must be a positive integer or None, got {chunk!r}")
     n = input_ids.shape[1]
     step = chunk or n
     for s in range(0, n, step):
+        if s and between is not None:
+            between()
         logits = _last_logits(model, input_ids[:, s:s + step], cache)
     return logits
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, chunk: int | None = None):
-    """Full-precision prefill: ``(DynamicCache, logits of the last position)``, shared by every format."""
+def prefill(model, input_ids: torch.Tensor, chunk: int | None = None, between=None):
+    """Full-precision prefill: ``(DynamicCache, logits of the last position)``, shared by every format
+    (``chunk`` and ``between`` as in :func:`run_prompt`)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config) if hasattr(model.config, "num_hidden_layers") else DynamicCache()
-    return cache, run_prompt(model, input_ids, cache, chunk)
+    return cache, run_prompt(model, input_ids, cache, chunk, between)
 
 
 @torch.no_grad()

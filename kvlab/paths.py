@@ -13,19 +13,31 @@ MODEL_DIR = DATA_DIR / "model"  # kvlab-tiny, the unit-test model
 CORPUS_DIR = DATA_DIR / "corpus"
 
 
+def result_path(path: str | Path) -> Path:
+    """Where a result for ``path`` is written: a symbolic link's target (a rename onto the link would replace the
+    link itself and leave the file it points to untouched), else ``path``."""
+    return Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+
+
 def out_problem(path: str | Path, flag: str = "--out") -> str | None:
     """Why ``path`` cannot take a result file (checked before a long run, not after it), or None.
 
     Refused: a directory, a missing folder, anything that exists but is not a regular file (a device
-    such as /dev/null would be replaced by the atomic rename), and a file or folder we may not write.
+    such as /dev/null would be replaced by the atomic rename), a path under /dev or /proc (``/dev/stdout`` is a
+    link to a stream, which a rename cannot write into), and a file or folder we may not write. A symbolic link
+    to a file is followed: the result replaces the file it points to (:func:`result_path`), not the link.
     """
     if not str(path).strip():
         return f"{flag} is empty"
-    out = Path(path)
+    if Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",)):
+        return (f"{flag} {path}: is a device or a process's stream, not a regular file (a result is written to a "
+                f"temporary file and renamed into place; give a file path)")
+    out = result_path(path)
     if out.is_dir():
         return f"{flag} {path}: is a directory"
     if not out.parent.is_dir():
-        return f"{flag} {path}: folder {str(out.parent)!r} does not exist"
+        what = "is not a folder" if out.parent.exists() else "does not exist"
+        return f"{flag} {path}: {str(out.parent)!r} {what}"
     if out.exists() and not out.is_file():
         return f"{flag} {path}: exists and is not a regular file"
     if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
@@ -68,9 +80,9 @@ class WriteError(OSError):
 def write_json(path: str | Path, doc) -> None:
     """Write ``doc`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename),
     so an interrupted run never leaves a half-written result."""
-    path = Path(path)
     if why := out_problem(path, "path"):  # never rename over a device or into a folder that is not there
         raise ValueError(why)
+    path = result_path(path)
     text = json.dumps(doc, indent=1, allow_nan=False) + "\n"  # strict JSON: a NaN is a bug, named here
     try:  # the mode a plain open() would give: the old file's, else what the umask allows (mkstemp makes 0600)
         mode = path.stat().st_mode & 0o777

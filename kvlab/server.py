@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .evals import PREFILL_MODES, prefill
+from .evals import PREFILL_MODES, prefill, run_prompt
 from .formats import get_format
 
 MAX_LOGPROBS = 20
@@ -35,6 +35,7 @@ REQUEST_DEADLINE_S = 60.0  # and one that drips its request must have sent all o
 MAX_LOGPROB_ENTRIES = 100_000  # log-probabilities one answer may carry (echo x logprobs): ~10 MB of JSON at most
 DRAIN_BYTES = 64 * 2**20  # of a refused (too large) body, read and dropped so the client sees the 413
 MAX_CONNECTIONS = 64  # connections handled at once; more get 503 at once instead of a thread each
+PREFILL_CHUNK = 2048  # prompt tokens per forward: a shutdown or a client gone is noticed between chunks
 MAX_JSON_DEPTH = 32  # deeper JSON is refused before parsing (Python's parser would recurse into it)
 # every field of /v1/completions this server reads; anything else is refused with 400 rather than ignored
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "best_of", "stream", "logprobs", "echo",
@@ -82,7 +83,8 @@ def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bo
     if v is None:  # absent, or an explicit null: OpenAI's API reads both as "the default"
         return default
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise RequestError(400, f"{name!r} must be an integer in [{lo}, {hi}], got {str(v)[:40]!r}")
+        shown = f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and abs(v) > 10**30 else repr(str(v)[:40])
+        raise RequestError(400, f"{name!r} must be an integer in [{lo}, {hi}], got {shown}")
     return v
 
 
@@ -255,7 +257,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _method_not_allowed(self):
         self._error(405, f"{self.command} is not supported; use GET or POST")
 
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _method_not_allowed
 
     def do_HEAD(self):
         self.send_response(405)
@@ -584,15 +586,15 @@ class CompletionServer:
                                     "(llama.cpp), and optionally 'model' and 'add_special_tokens'")
         if ("prompt" in body) == ("content" in body) or not isinstance(body.get("prompt", body.get("content")), str):
             raise RequestError(400, "/tokenize takes one text: {'prompt': text} (vLLM) or {'content': text} (llama.cpp)")
-        if not isinstance(body.get("model", ""), str):
+        if body.get("model") is not None and not isinstance(body["model"], str):  # null: the served model, as below
             raise RequestError(400, "'model' must be a string")
         if body.get("model") not in (None, self.name):  # as /v1/completions answers
             raise RequestError(404, f"model {str(body['model'])[:80]!r} does not exist; this server serves {self.name!r}")
         special = body.get("add_special_tokens", False)
         if not isinstance(special, bool):
             raise RequestError(400, "'add_special_tokens' must be true or false")
-        text = body.get("prompt", body.get("content"))
-        ids = self.tok.encode(self._text(text, "prompt"), add_special_tokens=special)
+        field = "prompt" if "prompt" in body else "content"
+        ids = self.tok.encode(self._text(body[field], field), add_special_tokens=special)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_context}
 
     def _stop(self, body: dict) -> list[str]:
@@ -645,13 +647,17 @@ class CompletionServer:
         ids = self._prompt_ids(body.get("prompt"))
         if default_new and len(ids) < self.max_context:
             max_new = min(max_new, self.max_context - len(ids))
+        if default_new and len(ids) >= self.max_context:  # no max_tokens given: say what was, not a default
+            raise RequestError(400, f"prompt ({len(ids)} tokens) leaves no room for an answer in the model's context "
+                                    f"of {self.max_context} tokens")
         if len(ids) + max_new > self.max_context:
             raise RequestError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_new}) exceeds the "
                                     f"model's context of {self.max_context}")
         entries = (len(ids) * echo + max_new) * ((k or 0) + 1) if k is not None else 0
         if entries > MAX_LOGPROB_ENTRIES:  # one request must not hold the model for a minute and answer megabytes
             raise RequestError(400, f"this request would return {entries:,} log-probabilities ("
-                                    f"{'prompt + ' if echo else ''}{max_new} new tokens x {k} alternatives); at most "
+                                    f"{'prompt + ' if echo else ''}{max_new} new tokens, x {k + 1}: each token's own and {k} "
+                                    f"alternatives); at most "
                                     f"{MAX_LOGPROB_ENTRIES:,}: lower 'logprobs' or send a shorter prompt")
         with self._lock, torch.no_grad():
             self._check(gone)
@@ -670,13 +676,16 @@ class CompletionServer:
 
                 dyn = DynamicCache(config=model.config)
                 logits = model(x, past_key_values=dyn, use_cache=True).logits[0]
-            else:
-                dyn, last = prefill(model, x)
+            else:  # in chunks, checking between them: a stop or a client gone ends a long prefill early
+                dyn, last = prefill(model, x, PREFILL_CHUNK, between=lambda: self._check(gone))
                 logits = last
             cache = KVQuantCache.from_prefill(self.fmt, dyn)
         else:
             cache = KVQuantCache(self.fmt, quantize_prefill=True, config=model.config)
-            logits = model(x, past_key_values=cache, use_cache=True, **({} if echo else {"logits_to_keep": 1})).logits[0]
+            if echo:  # every position's logits: one forward
+                logits = model(x, past_key_values=cache, use_cache=True).logits[0]
+            else:
+                logits = run_prompt(model, x, cache, PREFILL_CHUNK, between=lambda: self._check(gone))
         logits = logits.float().reshape(-1, logits.shape[-1])
         prompt_lp = torch.log_softmax(logits[:-1], -1) if echo else None
         step = torch.log_softmax(logits[-1], -1)

@@ -347,7 +347,8 @@ def variable_chain(tok, length: int, depth_spread: float, rng: random.Random, ho
     answer = _encode(tok, answer_text)
     n_fill = length - len(intro) - sum(map(len, facts)) - len(question)
     if n_fill < 0:
-        raise ValueError(f"length={length} is too short for a {hops}-hop chain")
+        raise ValueError(f"length={length} is too short for a {hops}-hop chain: it needs at least "
+                         f"{length - n_fill} tokens")
     hay = filler_tokens(tok, n_fill)
     cuts = sorted(rng.randrange(0, int(depth_spread * n_fill) + 1) for _ in facts)
     ids, prev = list(intro), 0

@@ -265,6 +265,23 @@ def test_a_closed_standard_output_is_one_line_not_a_traceback():
     assert p.returncode == 2 and p.stderr.strip() == "kvlab: error: standard output is closed", p.stderr
 
 
+def test_a_result_through_a_link_lands_in_its_target_and_streams_are_refused(tmp_path):
+    import json as J
+
+    from kvlab.cli import main
+    from kvlab.paths import out_problem, write_json
+
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("{}")
+    link.symlink_to(target)
+    write_json(link, {"a": 1})  # the rename goes to the file the link names; the link stays a link
+    assert link.is_symlink() and J.loads(target.read_text()) == {"a": 1}
+    assert "a device or a process's stream" in out_problem("/dev/stdout")
+    (tmp_path / "afile").write_text("x")
+    assert "is not a folder" in out_problem(tmp_path / "afile" / "r.json")
+    assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--out", "/dev/stdout"]) == 2
+
+
 def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     import os
     import stat
@@ -313,6 +330,10 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--lengths", "64,64"], "lists a value twice"),
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--depths", "0.5,0.5"], "lists a value twice"),
     (["serve-sim", "--trace", "EMPTY", "--seed", "5"], "a --trace is replayed as recorded"),
+    (["serve", "--model", "", "--kv-format", "int8"], "argument --model: is empty"),
+    (["niah", "--model", " ", "--kv-format", "int8"], "argument --model: is empty"),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--out", "/dev/stdout"], "a device or a process's stream"),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--out", "r1.requests.jsonl"], "is a run's journal"),
 ])
 def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
     import time

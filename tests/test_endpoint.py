@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -329,7 +330,7 @@ def _prompts(n=8):
 
 
 @pytest.mark.slow  # seconds of waiting: in make test, not make quick
-def test_ctrl_c_stops_sending_keeps_every_answer_and_says_how_to_resume(stub, tmp_path):
+def test_ctrl_c_stops_sending_keeps_every_answer_and_says_how_to_resume(stub, tmp_path, capsys):
     import _thread
 
     s = stub(lambda n: (time.sleep(0.3), (200, _completion()))[1])
@@ -340,6 +341,7 @@ def test_ctrl_c_stops_sending_keeps_every_answer_and_says_how_to_resume(stub, tm
     lines = journal.read_text().splitlines()
     assert e.value.kept == len(lines) == s.count and 1 <= s.count < 20  # nothing sent that was not kept
     assert "run the same command again" in str(e.value) and e.value.left == 20 - len(lines)
+    assert re.search(r"waiting for [12] request\(s\) in flight", capsys.readouterr().err)  # why it has not exited yet
     recs = E.run_ladder([E.Endpoint(s.url)], _prompts(20), journal, concurrency=2, progress=False)
     assert len(recs) == 20 and s.count == 20  # the resume asked only for the rest
 
@@ -367,6 +369,20 @@ def test_a_result_names_the_servers_kv_format_not_its_url(stub, tmp_path):
     for rec in recs:
         rec["settings"] = rec["settings"] | {"kv_cache_dtype": "fp8"}  # what vLLM-like servers report
     assert E.side_by_side(recs, s.url)["results"][E.base_url(s.url)]["kv_format"] == "fp8"
+
+
+def test_the_table_keeps_every_length_asked_when_requests_fail(stub, tmp_path):
+    """A length whose every request failed stays a column ("—"), the failures are counted under the table, and a
+    run where nothing was answered is still a well-formed table."""
+    s = stub(lambda n: (200, _completion()) if n == 1 else (501, {"error": {"message": "no"}}))
+    prompts = [E.Prompt("passkey", 100, 0.5, 0, "p", "12345"), E.Prompt("passkey", 200, 0.5, 0, "q", "12345")]
+    recs = E.run_ladder([E.Endpoint(s.url, retries=0)], prompts, tmp_path / "j.jsonl", concurrency=1, progress=False)
+    table = E.markdown(E.side_by_side(recs, s.url))
+    assert "| endpoint | 100 tokens | 200 tokens |" in table and "| 1/1 | — |" in table
+    assert "Failed after their retries (not counted above): 1 request(s)" in table
+    none = E.markdown(E.side_by_side([r | {"error": "HTTP 501"} for r in recs], s.url))
+    assert none.splitlines()[:3] == ["| endpoint | 100 tokens | 200 tokens |", "|---|---|---|",
+                                     f"| {E.base_url(s.url)} | — | — |"]
 
 
 def test_a_journal_line_missing_its_answer_is_asked_again(stub, tmp_path):
@@ -547,7 +563,9 @@ def test_lengths_past_the_servers_window_and_bad_outs_are_refused_up_front(stub,
     assert main(["niah", "--endpoint", s.url, "--lengths", "2048", "--out", str(tmp_path / "o.json")]) == 2
     assert "max_model_len of 1000" in capsys.readouterr().err and s.count == 0
     assert main(["niah", "--endpoint", s.url, "--lengths", "256", "--out", "/proc/version"]) == 2
-    assert "cannot create a file" in capsys.readouterr().err
+    assert "a process's stream, not a regular file" in capsys.readouterr().err
+    assert main(["niah", "--endpoint", s.url, "--lengths", "256", "--out", "/sys/kvlab.json"]) == 2
+    assert "cannot create a file" in capsys.readouterr().err  # root may write almost anywhere, not there
     assert main(["niah", "--endpoint", s.url, "--lengths", "256", "--out", " "]) == 2
     with pytest.raises(SystemExit):
         main(["niah", "--endpoint", s.url, "--lengths", "100000000"])
@@ -672,6 +690,11 @@ def test_redirects_501_and_html_error_pages_are_one_clear_line(stub):
     moved = stub(lambda n: (302, b""))
     with pytest.raises(E.EndpointError, match="a redirect to .* not followed"):
         E.Endpoint(moved.url, model="stub", retries=0).complete("hi")
+    plain = stub(lambda n: (200, _completion()))  # https:// against a plain-HTTP server: one try, one line
+    t0 = time.monotonic()
+    with pytest.raises(E.EndpointError, match="TLS handshake failed .* use http://"):
+        E.Endpoint(plain.url.replace("http://", "https://"), model="stub", retries=3, backoff=1.0).complete("hi")
+    assert time.monotonic() - t0 < 1.0  # not three back-offs (1 + 2 + 4 s)
 
 
 @given(st.text(alphabet=st.characters(blacklist_characters="/\r\n\t ", blacklist_categories=("Cs", "Cc")),

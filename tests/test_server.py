@@ -1,5 +1,6 @@
 """kvlab serve under hostile clients: limits before work, 4xx for client errors, timeouts, cancellation, strict JSON."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -463,6 +464,49 @@ def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path, sig):
     assert answer.get("status") in (200, 503), answer
 
 
+@pytest.mark.slow
+def test_a_second_signal_during_one_long_step_forces_a_clean_exit(tmp_path):
+    """The first SIGTERM waits for the model's current step; a second one, while that step (here one forward
+    over a 16k-token echoed prompt) still runs, exits at once with 130: not an abort inside torch."""
+    import signal
+    import subprocess
+    import sys
+
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    free = port.getsockname()[1]
+    port.close()
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--model", "kvlab-tiny", "--kv-format", "int8",
+                             "--port", str(free)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{free}"
+        for _ in range(240):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+
+        def ask():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(url + "/v1/completions", json={"prompt": [5] * 16000, "max_tokens": 1, "echo": True},
+                           timeout=120)
+
+        threading.Thread(target=ask, daemon=True).start()
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        with pytest.raises(ConnectionRefusedError):  # the listening socket closed with the first signal
+            socket.create_connection(("127.0.0.1", free), timeout=5).close()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "forced to stop" in err, err[-2000:]
+    assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
+
+
 def test_an_explicit_null_is_the_default_for_every_optional_field(srv):
     base = _post(srv, {"prompt": "The cat", "max_tokens": 3}).json()["choices"][0]["text"]
     nulls = {f: None for f in ("temperature", "top_p", "n", "best_of", "echo", "presence_penalty",
@@ -486,7 +530,36 @@ def test_without_max_tokens_the_answer_fits_what_the_context_leaves(shipped):
         r = _post(small, {"prompt": [5, 6, 7]})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5, r.text
         assert _post(small, {"prompt": [5, 6, 7], "max_tokens": 6}).status_code == 400
-        assert _post(small, {"prompt": list(range(5, 13))}).status_code == 400  # 8 tokens leave no room to answer
+        full = _post(small, {"prompt": list(range(5, 13))})  # 8 tokens leave no room to answer
+        assert full.status_code == 400 and "max_tokens" not in full.json()["error"]["message"]  # none was sent
+        assert "leaves no room for an answer" in full.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("mode", ["full", "cached"])
+def test_a_long_prompt_is_prefilled_in_chunks_that_a_stop_can_end(shipped, monkeypatch, mode):
+    """Between two chunks of the prompt the server checks whether to stop: a client gone (or a shutdown)
+    ends a long prefill there, not after the whole prompt has run."""
+    model, tok = shipped
+    monkeypatch.setattr(S, "PREFILL_CHUNK", 4)
+    s = S.CompletionServer(model, tok, "int8", name="tiny", max_context=256, prefill_mode=mode)
+    try:
+        calls = []
+        real = model.forward
+        monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+        with pytest.raises(S.ClientGone):
+            s.complete({"prompt": list(range(5, 25)), "max_tokens": 3}, gone=lambda: bool(calls))
+        assert len(calls) == 1  # the first chunk of five ran; the check before the second stopped it
+        monkeypatch.setattr(model, "forward", real)
+        whole = s.complete({"prompt": list(range(5, 25)), "max_tokens": 3})  # chunked, answered in full
+        assert whole["usage"] == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}
+    finally:
+        s.httpd.server_close()
+
+
+def test_tokenize_names_the_field_it_was_given_and_takes_a_null_model(srv):
+    r = _post(srv, {"content": "a" * (srv.max_prompt_chars + 1)}, path="/tokenize")
+    assert r.status_code == 413 and "'content' has" in r.json()["error"]["message"]
+    assert _post(srv, {"content": "hi", "model": None}, path="/tokenize").json()["count"] >= 1  # as completions
 
 
 def test_a_key_given_twice_is_refused(srv):
