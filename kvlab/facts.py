@@ -213,9 +213,9 @@ CH4_KEYS = {"smollm2-135m": "S", "gemma3-270m": "G"}  # how the prose names each
 CH4_FIGURE = ["fp32", "fp8_e4m3", "int8", "q4_0", "int4", "int4_token", "int4_tensor", "kivi-4", "kivi-2"]
 
 
-def names_md(fmts: list[str], empty: str = "none") -> str:
-    """``a``, ``b`` and ``c`` as Markdown code, or ``empty``."""
-    fmts = [f"`{f}`" for f in fmts]
+def names_md(fmts: list[str], empty: str = "none", notes: dict[str, str] | None = None) -> str:
+    """``a``, ``b`` and ``c`` as Markdown code, or ``empty``; ``notes`` adds text after a name: ``a`` (note)."""
+    fmts = [f"`{f}`" + (f" ({notes[f]})" if notes and f in notes else "") for f in fmts]
     if not fmts:
         return empty
     return fmts[0] if len(fmts) == 1 else ", ".join(fmts[:-1]) + " and " + fmts[-1]
@@ -267,6 +267,10 @@ def _model_facts(sweep) -> dict:
     prompts = {t for _, t in ref.values()}
     seconds = sum(r.get("seconds", 0) for r in sweep.records)
     ppl = {n: r["ppl_increase"] for n, r in f["by"].items() if r["ppl_increase"] is not None}
+    # the single needle in both haystacks, every length pooled into one paired test per format
+    pooled = {n: sweep.paired_pooled(SINGLE_NEEDLE, n) for n in f["by"]}
+    # never worse on the needle: at no length in either haystack, nor pooled (the takeaways' "held")
+    held = [n for n in f["never"] if n not in prose_worse and pooled[n].verdict != "worse"]
     return f | {
         "name": CH4_NAMES.get(sweep.model, sweep.model), "model": sweep.model,
         "prompts": min(prompts), "prompts_all": prompts,
@@ -281,6 +285,7 @@ def _model_facts(sweep) -> dict:
         "orders": _lists(sweep, "orders"),
         "orders_pooled": {f: sweep.paired_pooled("orders", f) for f in sweep.formats if f != "fp32"}
         if sweep.lengths("orders") else {},
+        "pooled": pooled, "held": held,
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
                                         "paired": sweep.paired("cached", f, n, f, "filler")}
@@ -291,13 +296,13 @@ def _model_facts(sweep) -> dict:
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
         "bits": {n: d.get("bits_per_element") for n, d in sweep.header["formats"].items()},
-        # never worse in either haystack (the takeaways' "held": a format worse in prose did not hold)
         "never_low_md": ", ".join(f"`{n}` ({sweep.header['formats'][n]['bits_per_element']:.3g} bits)"
-                                  for n in f["never"] if _low_bit(n) and n not in prose_worse) or "none",
-        "never_8bit_md": names_md([n for n in f["never"] if not _low_bit(n) and n not in prose_worse]),
+                                  for n in held if _low_bit(n)) or "none",
+        "never_8bit_md": names_md([n for n in held if not _low_bit(n)]),
     }
 
 
+SINGLE_NEEDLE = ("filler", "prose")  # the stages whose prompts hold one passkey: pooled together for 4.1's verdict
 CH4_HEAD_DIM = {"smollm2-135m": 64, "gemma3-270m": 256}
 CH4_COMMON_LONGEST = 8192  # both models are swept to here (SmolLM2's window)
 CH4_MITIGATIONS = {"int4_token+sinks4": "int4_token", "int4_token+residual128": "int4_token",
@@ -420,6 +425,9 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
         def verdicts(m, f=f):
             filler, prose = m["status"].get(f, "—"), m["prose"]["status"].get(f)
             out = filler if prose in (None, filler) else f"{filler}; in prose {prose}"
+            pooled = m["pooled"].get(f)
+            if pooled is not None and pooled.verdict == "worse" and out == "never worse":
+                out = f"never worse at one length, **worse pooled** (−{pooled.lost} +{pooled.gained})"
             r = m["by"].get(f)
             if r is None or r["ppl_increase"] is None:
                 return out
@@ -562,12 +570,15 @@ def _smollm2_ladder() -> tuple[dict, dict]:
                  for f in lad if f != "fp32" and f in paired.formats}
         v["ppl_gap"] = max(diffs.values())
         v["ladder_ppl_windows"] = LADDER_PPL_WINDOWS
+        # ... and what reading other passages does: q4_0 on the first windows against all of them, one run
+        v["ppl_q4_first"] = paired.paired_perplexity("q4_0", windows=LADDER_PPL_WINDOWS)["increase"]
         # the formats whose side of the bar depends on which of the two runs you read
         v["ppl_straddle"] = sorted(f for f in diffs if (paired.paired_perplexity(f)["increase"] <= PPL_TOLERANCE)
                                    != (lad[f]["ppl_increase"] <= PPL_TOLERANCE))
         v["ppl_straddle_md"] = names_md(v["ppl_straddle"])
     except (FileNotFoundError, KeyError):
         v["ppl_gap"], v["ladder_ppl_windows"], v["ppl_straddle"], v["ppl_straddle_md"] = None, LADDER_PPL_WINDOWS, [], "none"
+        v["ppl_q4_first"] = None
     # 4.7: what each rung misses
     kl_gain = lad["int4_token"]["kl"] / lad["int4_token+residual128"]["kl"]
     res_long, tok_long = lad["int4_token+residual128"]["needle_long"], lad["int4_token"]["needle_long"]
@@ -660,14 +671,13 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     ladder_values, ladder_claims = _smollm2_ladder()
     values |= ladder_values
     values["q"] = _refuse_to_skip([values[k] for k in keys])
-    # never worse on the needle: in the filler haystack, and in prose where the format ran there
-    held_low = [(values[k]["name"], f) for k in keys for f in values[k]["never"]
-                if _low_bit(f) and not values[k]["prose"]["by"].get(f, {}).get("worse_at")]
+    # never worse on the needle: in the filler haystack, in prose where the format ran there, and pooled
+    held_low = [(values[k]["name"], f) for k in keys for f in values[k]["held"] if _low_bit(f)]
     alarms = [(n, f) for n, f in held_low if not values[CH4_KEYS[next(m for m in sweeps if CH4_NAMES.get(m) == n)]]["by"][f]["ppl_ok"]]
     values |= {"n_held_low": len(held_low), "n_alarms": len(alarms),
                "alarms_md": "; ".join(f"`{f}` on {n}" for n, f in alarms) or "none",
                "n_tests": sum(1 for k in keys for st in (values[k], values[k]["prose"], values[k]["cached"],
-                                                          values[k]["multikey"])
+                                                          values[k]["multikey"], values[k]["orders"])
                              for f, _ in st.get("cell", {}) if f != "fp32"), "min_detect": fewest_prompts_to_detect(),
                "undetectable": fewest_prompts_to_detect() - 1}
     values["formats_md"] = _formats_md(values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:]
@@ -751,8 +761,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     # formats never worse on a single needle (either haystack) that the order-records rung found worse
     values["orders_new_md"] = "not measured yet" if not any(values[k]["orders"]["measured"] for k in keys) else "; ".join(
         f"`{f}` on {values[k]['name']}" for k in keys for f, r in values[k]["orders"]["by"].items()
-        if r["worse_at"] and f in values[k]["never"] and not values[k]["prose"]["by"].get(f, {}).get("worse_at")
-    ) or "none"
+        if r["worse_at"] and f in values[k]["held"]) or "none"
     # the rung's lengths pooled into one paired test per format: full precision's low rate leaves one length's
     # test few prompts a format could lose
     for k in keys:
@@ -762,7 +771,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         f"{names_md(values[k]['orders_pooled_worse'])} on {values[k]['name']}" for k in keys
         if values[k]["orders"]["measured"])
     values["orders_pooled_new"] = [f"`{f}` on {values[k]['name']}" for k in keys for f in values[k]["orders_pooled_worse"]
-                                   if f in values[k]["never"] and not values[k]["prose"]["by"].get(f, {}).get("worse_at")]
+                                   if f in values[k]["held"]]
     values["orders_pooled_new_md"] = "; ".join(values["orders_pooled_new"]) or "none"
     od = [values[k] for k in keys if values[k]["orders"]["measured"]]
     any_worse = any(f for m in od for f, r in m["orders"]["by"].items() if r["worse_at"])
@@ -774,7 +783,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
            "; the formats worse than it there were "
            + "; ".join(f"{m['orders']['short_md'] if not m['orders']['later'] else m['orders']['short_md'] + ', ' + m['orders']['later_md']} on {m['name']}" for m in od)
            + ("; none that a single needle had passed." if values["orders_new_md"] == "none"
-              else f"; worse there only: {values['orders_new_md']}.")))
+              else f"; worse there only: {values['orders_new_md']}."))
+        + " Where full precision answers few prompts, a format can lose only those, so a clean verdict there says "
+          "little (4.3 pools the rung's lengths).")
     for k in keys:  # each format's two prefill modes on the same prompts, by the chapter's one paired rule
         m = values[k]
         modes = {f: v["paired"] for f, v in m["cached_vs_full"].items()}
@@ -788,13 +799,12 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             + (f" (prompts the quantized prefill lost and gained: {shown})" if shown else ""))
     # formats the single-needle stages never found worse that the two-key rung did
     values["multikey_new"] = [(values[k]["name"], f) for k in keys for f in values[k]["multikey"]["by"]
-                              if values[k]["multikey"]["by"][f]["worse_at"] and f in values[k]["never"]
-                              and not values[k]["prose"]["by"].get(f, {}).get("worse_at")]
+                              if values[k]["multikey"]["by"][f]["worse_at"] and f in values[k]["held"]]
     values["multikey_new_md"] = "; ".join(f"`{f}` on {n}" for n, f in values["multikey_new"]) or "none"
     values["multikey_measured"] = [values[k]["name"] for k in keys if values[k]["multikey"]["measured"]]
     mk = [values[k] for k in keys if values[k]["multikey"]["measured"]]
     values["multikey_summary_md"] = "" if not mk else (
-        ("* **A harder rung found nothing new.** " if not values["multikey_new"] else "* **A harder rung found more.** ")
+        ("* **A two-key rung found nothing new.** " if not values["multikey_new"] else "* **A two-key rung found more.** ")
         + "With two named pass keys in the haystack (4.3), where full precision itself found only "
         + "; ".join(f"{m['multikey']['ref_text']} on {m['name']}" for m in mk)
         + ", the formats worse than full precision were "
@@ -888,24 +898,37 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                                   f"+{st['cell'][values['trap_first'], n]['gained']}" for n in at)
                 values["trap_first_md"] = (f"`{values['trap_first']}` on {m['name']} (worse in the {stage} haystack at "
                                            f"{cells}{'; one length only' if len(at) == 1 else ''})")
-    values["never_both"] = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]
+    never_one = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]  # filler, every length alone
+    # no loss detected: never worse at any one length in either haystack, nor with them all pooled, on both models
+    values["never_both"] = [f for f in never_one if all(f in m["held"] for m in both)]
     values["never_both_md"] = names_md(values["never_both"])
+    # never worse at any one length in either haystack, yet worse once every length is pooled: a small loss
+    values["pooled_only"] = {m["name"]: [f for f in m["never"] if not m["prose"]["by"].get(f, {}).get("worse_at")
+                                         and m["pooled"][f].verdict == "worse"] for m in both}
+    values["pooled_only_md"] = "; ".join(
+        f"on {m['name']}, " + names_md(fs, notes={f: f"−{m['pooled'][f].lost} +{m['pooled'][f].gained} over "
+                                                     f"{m['pooled'][f].prompts} prompts, p = {m['pooled'][f].p:.3f}"
+                                                  for f in fs})
+        for m in both if (fs := values["pooled_only"][m["name"]]))
     from .formats import engine_options
 
     # what an engineer can switch on today among the formats never worse on both models
     values["never_both_engine_md"] = names_md([f for f in values["never_both"] if any(engine_options(f).values())])
     values["never_both_kvlab_md"] = names_md([f for f in values["never_both"] if not any(engine_options(f).values())])
-    # what "never worse" still allows: each of those formats' discordant prompts pooled over every filler length
-    values["never_both_pooled_md"] = "; ".join(
-        f"`{f}` " + ", ".join(f"{sum(lo for lo, _ in m['lost_gained'][f])}/{sum(ga for _, ga in m['lost_gained'][f])}"
-                              f" on {m['name'].split()[0].split('-')[0]}" for m in both)
-        for f in values["never_both"]) + " (of " + ", ".join(
-        f"{m['prompts'] * len(m['lengths'])} prompts on {m['name'].split()[0].split('-')[0]}" for m in both) + ")"
-    # ... and turned into a bound: the share of prompts such a format could lose, one-sided 95% (Wilson, z = 1.645)
-    from .results import wilson
+    # what "no loss detected" still allows: each of those formats' discordant prompts, every single-needle prompt
+    def short(m):
+        return m["name"].split()[0].split("-")[0]
 
-    bounds = sorted(((wilson(sum(lo for lo, _ in m["lost_gained"][f]), m["prompts"] * len(m["lengths"]), 1.645)[1],
-                      f, m["name"].split()[0].split("-")[0]) for f in values["never_both"] for m in both), reverse=True)
+    values["never_both_pooled_md"] = "; ".join(
+        f"`{f}` " + ", ".join(f"{m['pooled'][f].lost}/{m['pooled'][f].gained} on {short(m)}" for m in both)
+        for f in values["never_both"]) + " (of " + ", ".join(
+        f"{m['pooled'][values['never_both'][0]].prompts} prompts on {short(m)}" for m in both
+        if values["never_both"]) + ")"
+    # ... and turned into a bound: the share of prompts such a format could lose, one-sided 95% (exact)
+    from .results import exact_upper
+
+    bounds = sorted(((exact_upper(m["pooled"][f].lost, m["pooled"][f].prompts), f, short(m))
+                     for f in values["never_both"] for m in both), reverse=True)
     values["never_both_bound"] = bounds[0][0] if bounds else None
     values["never_both_bound_md"] = (f"at most {bounds[0][0]:.1%} of prompts for the loosest, `{bounds[0][1]}` on "
                                      f"{bounds[0][2]}, and at most {bounds[-1][0]:.1%} for the tightest, "
@@ -924,6 +947,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(values["trap_at"] is not None and values["trap_at"] > PPL_TOLERANCE, later_ppl[:2]),
         "on both models perplexity flagged every format that passed the short needle and lost a longer one":
             _claim(all(set(m["later"]) <= set(m["ppl_flags"]) for m in both), {m["name"]: m["later"] for m in both}),
+        "every format that only the pooled test finds worse missed the perplexity bar":
+            _claim(all(not m["by"][f]["ppl_ok"] for m in both for f in values["pooled_only"][m["name"]]),
+                   values["pooled_only"]),
+        "pooling found a loss that no single length showed":
+            _claim(any(values["pooled_only"].values()), values["pooled_only"]),
         "FP8, INT8, q8_0 and KIVI-4 are among the formats never worse on both models":
             _claim({"fp8_e4m3", "int8", "q8_0", "kivi-4"} <= set(values["never_both"]), values["never_both"]),
         "KIVI-4 was never worse on either model; KIVI-2 was worse on both, at every length on SmolLM2":

@@ -33,7 +33,7 @@ LONG_SWEEPS = {"smollm2-135m": RESULTS_DIR / "long_sweep_smollm2.jsonl", "gemma3
 # "looks fine on perplexity": a paired test on 16 windows detects even FP8's tiny increase, so the trap's
 # first rung needs a tolerance; 5% is the limit chapter 5's quality-adjusted cost also uses
 PPL_TOLERANCE = 0.05
-# answer stages (multikey: two named pass keys, kvlab.tasks.multikey; orders: a city from order records in prose,
+# answer stages (multikey: two named pass keys, kvlab.tasks.multikey; orders: a 5-digit order ID copied from order records in prose,
 # kvlab.tasks.order_lookup); each is paired within its own prompts, "cached" with the "filler" stage's
 STAGES = ("filler", "prose", "cached", "multikey", "orders")
 PPL_STAGE = "perplexity"  # held-out windows: summed NLL per format
@@ -49,6 +49,26 @@ def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     lo = 0.0 if correct == 0 else max(0.0, mid - half)  # exact at the ends (no 1e-17 rounding residue)
     hi = 1.0 if correct == trials else min(1.0, mid + half)
     return lo, hi
+
+
+def exact_upper(k: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided exact (Clopper-Pearson) upper bound on a proportion after ``k`` events in ``n`` trials: the
+    largest rate under which seeing ``k`` or fewer still has probability ``1 - confidence``."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(k, int) or not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n and n >= 1, got {k}/{n}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if k == n:
+        return 1.0
+
+    def cdf(p: float) -> float:  # P(X <= k) for X ~ Binomial(n, p): falls as p rises
+        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+    lo, hi = k / n, 1.0
+    for _ in range(60):  # bisection to far below any printed digit
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > 1 - confidence else (lo, mid)
+    return hi
 
 
 def _count(name: str, v) -> int:
@@ -256,14 +276,16 @@ class LongSweep:
         return Paired(fmt, reference, len(keys), sum(a), sum(b),
                       lost=sum(y and not x for x, y in zip(a, b)), gained=sum(x and not y for x, y in zip(a, b)))
 
-    def paired_pooled(self, stage: str, fmt: str, reference: str = "fp32") -> Paired:
-        """``fmt`` against ``reference`` on every prompt of every complete length of ``stage`` at once: the same
-        paired test with more prompts (each prompt is still compared with itself), so a loss too small for one
-        length's test can show. Lengths where either did not run are skipped."""
+    def paired_pooled(self, stage: str | tuple[str, ...], fmt: str, reference: str = "fp32") -> Paired:
+        """``fmt`` against ``reference`` on every prompt of every complete length of ``stage`` (or of each stage
+        in a tuple, e.g. both haystacks) at once: the same paired test with more prompts (each prompt is still
+        compared with itself), so a loss too small for one length's test can show. Lengths where either did not
+        run are skipped."""
         parts = []
-        for n in self.lengths(stage):
-            with contextlib.suppress(KeyError):
-                parts.append(self.paired(stage, fmt, n, reference))
+        for st in (stage,) if isinstance(stage, str) else stage:
+            for n in self.lengths(st):
+                with contextlib.suppress(KeyError):
+                    parts.append(self.paired(st, fmt, n, reference))
         if not parts:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stage!r}")
         return Paired(fmt, reference, *(sum(getattr(x, a) for x in parts)
@@ -407,7 +429,7 @@ def verdict_markdown(sweeps: dict[str, LongSweep], formats: list[str], stage: st
     what = {"filler": "passkey in the filler haystack", "prose": "passkey in the prose haystack",
             "cached": "passkey in the filler haystack, the prompt reading its own quantized cache",
             "multikey": "two named pass keys in the filler haystack",
-            "orders": "a city from order records in the prose haystack"}[stage]
+            "orders": "an order ID copied from one of several order records in the prose haystack"}[stage]
     caption = (f"*{what.capitalize()}: needles found / prompts, then −lost +gained against `{reference}` on the same "
                f"prompts; **✗**: worse (exact McNemar, p < {ALPHA}).*")
     return caption + "\n\n" + "\n".join(out)

@@ -103,6 +103,24 @@ def test_the_multikey_rung_is_paired_within_its_own_prompts(tmp_path):
         s.outcomes("haystack", 1024)
 
 
+@given(st.integers(1, 300), st.data())
+def test_the_exact_upper_bound_leaves_five_percent_below_it(n, data):
+    k = data.draw(st.integers(0, n))
+    up = R.exact_upper(k, n)
+    assert k / n <= up <= 1.0
+    if k < n:  # at the bound, seeing k or fewer has probability 5% (the definition of Clopper-Pearson's bound)
+        tail = sum(math.comb(n, i) * up ** i * (1 - up) ** (n - i) for i in range(k + 1))
+        assert tail == pytest.approx(0.05, abs=1e-9)
+
+
+def test_the_exact_upper_bound_has_a_closed_form_at_zero_and_refuses_nonsense():
+    assert R.exact_upper(0, 150) == pytest.approx(1 - 0.05 ** (1 / 150))  # (1 - p)^n = 0.05
+    assert R.exact_upper(3, 3) == 1.0
+    for k, n in ((4, 3), (-1, 5), (0, 0)):
+        with pytest.raises(ValueError, match="need 0 <= k <= n"):
+            R.exact_upper(k, n)
+
+
 def test_pooling_lengths_is_the_same_paired_test_on_more_prompts(tmp_path):
     """-4 +0 at each of two lengths: not distinguishable at either (p = 0.125), worse pooled (-8 +0, p = 0.008)."""
     header = {"kind": "header", "model": "m", "formats": {"fp32": {}, "int4": {}}, "depths": [0.0], "per_depth": 6}
