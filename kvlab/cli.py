@@ -314,7 +314,9 @@ def cmd_niah_endpoint(args) -> int:
         return 2
     out = Path(args.out or "kvlab-endpoints.json")
     journal = out.with_suffix(".requests.jsonl")
-    if out.name.endswith(".requests.jsonl"):  # another run's journal: writing the result there would replace it
+    from .paths import result_path
+
+    if result_path(out).name.endswith(".requests.jsonl"):  # a run's journal (through a link too): not a result
         print(f"kvlab: error: --out {args.out}: a name ending in .requests.jsonl is a run's journal; give the "
               "result's own name (e.g. result.json, whose journal is result.requests.jsonl)", file=sys.stderr)
         return 2

@@ -199,7 +199,8 @@ class Endpoint:
             if not isinstance(doc, dict):
                 raise EndpointError(f"{url} answered with JSON that is not an object: {str(doc)[:200]}")
             return doc
-        raise EndpointError(f"{url}: gave up after {self.retries + 1} tries; last: {last}")
+        raise EndpointError(f"{url}: gave up after {self.retries + 1} {'try' if self.retries == 0 else 'tries'}; "
+                            f"last: {last}")
 
     def _bounded(self, method: str, url: str, body):
         """One request, status line to last byte, within ``timeout`` seconds and :data:`MAX_ANSWER_BYTES`.
@@ -678,7 +679,7 @@ def markdown(doc: dict) -> str:
     out = head + "\n" + "\n".join(rows)
     failed = {u: len(e) for u, e in (doc.get("errors") or {}).items() if e}
     if failed:  # a cell counts answered prompts only ("—": none answered)
-        out += "\n\nFailed after their retries (not counted above): " + ", ".join(
+        out += "\n\nFailed (after any retries; not counted above): " + ", ".join(
             f"{n} request(s) to {u}" for u, n in failed.items()) + "."
     if doc.get("student"):
         a = doc.get("agreement")

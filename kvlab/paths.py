@@ -1,5 +1,6 @@
 """Where the workbook's shipped files live (one definition for every module)."""
 
+import errno
 import json
 import os
 import tempfile
@@ -11,6 +12,12 @@ PRESETS_DIR = DATA_DIR / "presets"  # model configs and gpus.json
 RESULTS_DIR = DATA_DIR / "results"  # precomputed sweeps and benchmark results
 MODEL_DIR = DATA_DIR / "model"  # kvlab-tiny, the unit-test model
 CORPUS_DIR = DATA_DIR / "corpus"
+
+
+def _special(absolute: str) -> bool:
+    """A path under /dev or /proc: devices and process streams (/dev/shm, a plain tmpfs, is not one)."""
+    parts = Path(absolute).parts
+    return parts[1:2] == ("proc",) or (parts[1:2] == ("dev",) and parts[2:3] != ("shm",))
 
 
 def result_path(path: str | Path) -> Path:
@@ -29,7 +36,13 @@ def out_problem(path: str | Path, flag: str = "--out") -> str | None:
     """
     if not str(path).strip():
         return f"{flag} is empty"
-    if Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",)):
+    if Path(path).is_symlink() and not Path(path).exists():
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"{flag} {path}: is a loop of symbolic links"
+    if any(_special(x) for x in (os.path.abspath(path), os.path.realpath(path))):
         return (f"{flag} {path}: is a device or a process's stream, not a regular file (a result is written to a "
                 f"temporary file and renamed into place; give a file path)")
     out = result_path(path)

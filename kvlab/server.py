@@ -35,7 +35,8 @@ REQUEST_DEADLINE_S = 60.0  # and one that drips its request must have sent all o
 MAX_LOGPROB_ENTRIES = 100_000  # log-probabilities one answer may carry (echo x logprobs): ~10 MB of JSON at most
 DRAIN_BYTES = 64 * 2**20  # of a refused (too large) body, read and dropped so the client sees the 413
 MAX_CONNECTIONS = 64  # connections handled at once; more get 503 at once instead of a thread each
-PREFILL_CHUNK = 2048  # prompt tokens per forward: a shutdown or a client gone is noticed between chunks
+PREFILL_CHUNK = 8192  # prompt tokens per forward: a shutdown or a client gone is noticed between chunks
+# (not smaller: on a CPU each chunk's attention re-reads the cache so far, and small chunks cost time)
 MAX_JSON_DEPTH = 32  # deeper JSON is refused before parsing (Python's parser would recurse into it)
 # every field of /v1/completions this server reads; anything else is refused with 400 rather than ignored
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "best_of", "stream", "logprobs", "echo",
@@ -52,6 +53,24 @@ class RequestError(ValueError):
 
 class _NotStrict(ValueError):
     pass
+
+
+class _HugeInt:
+    """A JSON integer with more digits than Python converts (4,300 by default): kept as a placeholder so that
+    the field it sits in is named by that field's own check, instead of one error for the whole body."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __str__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _json_int(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return _HugeInt(len(text.lstrip("-")))
 
 
 def _unique_keys(pairs: list) -> dict:
@@ -83,7 +102,8 @@ def _int_field(body: dict, name: str, default, lo: int, hi: int, *, nullable: bo
     if v is None:  # absent, or an explicit null: OpenAI's API reads both as "the default"
         return default
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        shown = f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and abs(v) > 10**30 else repr(str(v)[:40])
+        shown = (f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and abs(v) > 10**30
+                 else str(v) if isinstance(v, _HugeInt) else repr(str(v)[:40]))
         raise RequestError(400, f"{name!r} must be an integer in [{lo}, {hi}], got {shown}")
     return v
 
@@ -93,7 +113,8 @@ def _number_field(body: dict, name: str, default: float, lo: float, hi: float) -
     if v is None:  # absent or null: the default
         return float(default)
     if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-        raise RequestError(400, f"{name!r} must be a number in [{lo}, {hi}], got {str(v)[:40]!r}")
+        raise RequestError(400, f"{name!r} must be a number in [{lo}, {hi}], got "
+                                f"{str(v) if isinstance(v, _HugeInt) else repr(str(v)[:40])}")
     return float(v)
 
 
@@ -346,7 +367,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not _json_depth_ok(text):
             raise RequestError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels")
         try:
-            body = json.loads(text or "null", parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+            body = json.loads(text or "null", parse_constant=_no_constant, object_pairs_hook=_unique_keys,
+                              parse_int=_json_int)
         except json.JSONDecodeError as e:
             raise RequestError(400, f"the request body is not JSON: {e}") from None
         except RecursionError:
@@ -675,15 +697,15 @@ class CompletionServer:
                 from transformers import DynamicCache
 
                 dyn = DynamicCache(config=model.config)
-                logits = model(x, past_key_values=dyn, use_cache=True).logits[0]
+                logits = self._all_logits(x, dyn, gone)
             else:  # in chunks, checking between them: a stop or a client gone ends a long prefill early
                 dyn, last = prefill(model, x, PREFILL_CHUNK, between=lambda: self._check(gone))
                 logits = last
             cache = KVQuantCache.from_prefill(self.fmt, dyn)
         else:
             cache = KVQuantCache(self.fmt, quantize_prefill=True, config=model.config)
-            if echo:  # every position's logits: one forward
-                logits = model(x, past_key_values=cache, use_cache=True).logits[0]
+            if echo:
+                logits = self._all_logits(x, cache, gone)
             else:
                 logits = run_prompt(model, x, cache, PREFILL_CHUNK, between=lambda: self._check(gone))
         logits = logits.float().reshape(-1, logits.shape[-1])
@@ -702,6 +724,16 @@ class CompletionServer:
             out = model(torch.tensor([[nxt]], device=dev), past_key_values=cache, use_cache=True)
             step = torch.log_softmax(out.logits[0, -1].float(), -1)
         return new, steps, prompt_lp, False
+
+    def _all_logits(self, x: torch.Tensor, cache, gone) -> torch.Tensor:
+        """Every prompt position's logits (echo's log-probabilities), ``PREFILL_CHUNK`` tokens per forward with a
+        stop check between chunks, as the prefill without echo."""
+        out = []
+        for s in range(0, x.shape[1], PREFILL_CHUNK):
+            if s:
+                self._check(gone)
+            out.append(self.model(x[:, s:s + PREFILL_CHUNK], past_key_values=cache, use_cache=True).logits[0])
+        return torch.cat(out)
 
     def _piece(self, t: int) -> str:
         return self.tok.decode([t])

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -280,6 +281,16 @@ def test_a_result_through_a_link_lands_in_its_target_and_streams_are_refused(tmp
     (tmp_path / "afile").write_text("x")
     assert "is not a folder" in out_problem(tmp_path / "afile" / "r.json")
     assert main(["niah", "--kv-format", "int8", "--model", "kvlab-tiny", "--out", "/dev/stdout"]) == 2
+    (tmp_path / "loop1.json").symlink_to(tmp_path / "loop2.json")
+    (tmp_path / "loop2.json").symlink_to(tmp_path / "loop1.json")
+    assert "is a loop of symbolic links" in out_problem(tmp_path / "loop1.json")
+    (tmp_path / "to-dev.json").symlink_to("/dev/kvlab-nothing-here")  # a link into /dev is refused by its target
+    assert "a device or a process's stream" in out_problem(tmp_path / "to-dev.json")
+    if Path("/dev/shm").is_dir():  # a tmpfs folder, not a device
+        assert "a device" not in (out_problem("/dev/shm/kvlab-probe.json") or "")
+    # a link whose target is a run's journal: the result would replace that journal
+    (tmp_path / "own.json").symlink_to(tmp_path / "other.requests.jsonl")
+    assert main(["niah", "--endpoint", "http://127.0.0.1:1", "--out", str(tmp_path / "own.json")]) == 2
 
 
 def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):

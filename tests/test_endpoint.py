@@ -379,7 +379,7 @@ def test_the_table_keeps_every_length_asked_when_requests_fail(stub, tmp_path):
     recs = E.run_ladder([E.Endpoint(s.url, retries=0)], prompts, tmp_path / "j.jsonl", concurrency=1, progress=False)
     table = E.markdown(E.side_by_side(recs, s.url))
     assert "| endpoint | 100 tokens | 200 tokens |" in table and "| 1/1 | — |" in table
-    assert "Failed after their retries (not counted above): 1 request(s)" in table
+    assert "Failed (after any retries; not counted above): 1 request(s)" in table
     none = E.markdown(E.side_by_side([r | {"error": "HTTP 501"} for r in recs], s.url))
     assert none.splitlines()[:3] == ["| endpoint | 100 tokens | 200 tokens |", "|---|---|---|",
                                      f"| {E.base_url(s.url)} | — | — |"]

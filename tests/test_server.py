@@ -79,7 +79,7 @@ def test_client_errors_are_4xx_with_a_message(srv, body, status, why):
 
 
 @pytest.mark.parametrize("raw, why", [
-    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "out of range"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "an integer of 5000 digits"),
     (b"[" * 10_000 + b"]" * 10_000, "deeper"),
     (b'{"prompt": "\\ud800"}', "Unicode"),
     (b"\xff\xfe", "not JSON"),
@@ -535,8 +535,8 @@ def test_without_max_tokens_the_answer_fits_what_the_context_leaves(shipped):
         assert "leaves no room for an answer" in full.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("mode", ["full", "cached"])
-def test_a_long_prompt_is_prefilled_in_chunks_that_a_stop_can_end(shipped, monkeypatch, mode):
+@pytest.mark.parametrize("mode,echo", [("full", False), ("cached", False), ("full", True), ("cached", True)])
+def test_a_long_prompt_is_prefilled_in_chunks_that_a_stop_can_end(shipped, monkeypatch, mode, echo):
     """Between two chunks of the prompt the server checks whether to stop: a client gone (or a shutdown)
     ends a long prefill there, not after the whole prompt has run."""
     model, tok = shipped
@@ -547,13 +547,29 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_a_stop_can_end(shipped, monke
         real = model.forward
         monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
         with pytest.raises(S.ClientGone):
-            s.complete({"prompt": list(range(5, 25)), "max_tokens": 3}, gone=lambda: bool(calls))
+            s.complete({"prompt": list(range(5, 25)), "max_tokens": 3, "echo": echo}, gone=lambda: bool(calls))
         assert len(calls) == 1  # the first chunk of five ran; the check before the second stopped it
         monkeypatch.setattr(model, "forward", real)
-        whole = s.complete({"prompt": list(range(5, 25)), "max_tokens": 3})  # chunked, answered in full
+        whole = s.complete({"prompt": list(range(5, 25)), "max_tokens": 3, "echo": echo, "logprobs": 0})
         assert whole["usage"] == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}
+        if echo:  # chunked, the prompt's log-probabilities are those of one forward
+            monkeypatch.setattr(S, "PREFILL_CHUNK", 8192)
+            one = s.complete({"prompt": list(range(5, 25)), "max_tokens": 3, "echo": True, "logprobs": 0})
+            got, want = whole["choices"][0]["logprobs"], one["choices"][0]["logprobs"]
+            assert got["tokens"] == want["tokens"]
+            assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:], abs=1e-4)
     finally:
         s.httpd.server_close()
+
+
+def test_an_integer_too_long_to_convert_is_named_by_its_field(srv):
+    huge = "9" * 5000
+    for field, lo in (("max_tokens", "must be an integer in"), ("temperature", "must be a number in")):
+        r = _post(srv, raw=f'{{"prompt": "hi", "{field}": {huge}}}'.encode())
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"'{field}' {lo}"), r.text
+        assert r.json()["error"]["message"].endswith("got an integer of 5000 digits")
+    r = _post(srv, raw=f'{{"prompt": [1, {huge}]}}'.encode())
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("'prompt' must be")
 
 
 def test_tokenize_names_the_field_it_was_given_and_takes_a_null_model(srv):
