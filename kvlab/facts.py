@@ -413,8 +413,9 @@ def _formats_md(fmts: list[str]) -> str:
 def _flags_md(models: list[dict], fmts: list[str]) -> str:
     """Chapter 4's formats as an engineer switches them on: each model's verdict, then each engine's documented
     option that stores exactly that format (``kvlab formats --engines``; "none" = a format only kvlab runs)."""
-    from .formats import engine_options
+    from .formats import engine_options, engine_table
 
+    notes = engine_table()["notes"]
     head = "| format | " + " | ".join(f"{m['name']}" for m in models) + " | how an engine selects it |"
     out = [head, "|---" * (2 + len(models)) + "|"]
     for f in fmts:
@@ -435,8 +436,11 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
             return f"{out}; {ppl if r['ppl_ok'] else '**' + ppl + '**'}"
 
         name = f"`{f}`" + (" (scale fitted to each prompt)" if f.startswith("fp8") else "")
+        nearest = notes.get(f, "") if not flags else ""  # what an engine offers closest to a kvlab-only format
+        if nearest.startswith("As ") and nearest[3:].rstrip(".") in notes:  # "As kivi-4."
+            nearest = notes[nearest[3:].rstrip(".")]
         out.append(f"| {name} | " + " | ".join(verdicts(m) for m in models)
-                   + f" | {'; '.join(flags) or 'none (kvlab only)'} |")
+                   + f" | {'; '.join(flags) or 'none exactly' + ('. ' + nearest if nearest else ' (kvlab only)')} |")
     return "\n".join(out)
 
 
