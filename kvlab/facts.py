@@ -271,6 +271,9 @@ def _model_facts(sweep) -> dict:
     pooled = {n: sweep.paired_pooled(SINGLE_NEEDLE, n) for n in f["by"]}
     # never worse on the needle: at no length in either haystack, nor pooled (the takeaways' "held")
     held = [n for n in f["never"] if n not in prose_worse and pooled[n].verdict != "worse"]
+    for n in f["never"]:  # never worse at one length in either haystack, yet worse pooled: say both
+        if n not in prose_worse and pooled[n].verdict == "worse":
+            f["status"][n] = f"never worse at one length, worse pooled (−{pooled[n].lost} +{pooled[n].gained})"
     return f | {
         "name": CH4_NAMES.get(sweep.model, sweep.model), "model": sweep.model,
         "prompts": min(prompts), "prompts_all": prompts,
@@ -283,8 +286,8 @@ def _model_facts(sweep) -> dict:
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
         "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"), "multikey": _lists(sweep, "multikey"),
         "orders": _lists(sweep, "orders"),
-        "orders_pooled": {f: sweep.paired_pooled("orders", f) for f in sweep.formats if f != "fp32"}
-        if sweep.lengths("orders") else {},
+        **{f"{st}_pooled": {f: sweep.paired_pooled(st, f) for f in sweep.formats if f != "fp32"}
+           if sweep.lengths(st) else {} for st in ("multikey", "orders")},
         "pooled": pooled, "held": held,
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
@@ -421,14 +424,14 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
     for f in fmts:
         if f == "fp32":
             continue
-        flags = [f"{e}: `{flag.split(' (')[0]}`" for e, flag in engine_options(f).items() if flag]
+        presets = engine_table()["presets"]  # a mitigation (``+rotate``) is no engine's preset: no flag
+        flags = [f"{e}: `{flag.split(' (')[0]}`" for e, flag in engine_options(f).items() if flag] if f in presets else []
 
         def verdicts(m, f=f):
             filler, prose = m["status"].get(f, "—"), m["prose"]["status"].get(f)
-            out = filler if prose in (None, filler) else f"{filler}; in prose {prose}"
-            pooled = m["pooled"].get(f)
-            if pooled is not None and pooled.verdict == "worse" and out == "never worse":
-                out = f"never worse at one length, **worse pooled** (−{pooled.lost} +{pooled.gained})"
+            same = prose in (None, filler) or ("worse pooled" in filler and prose == "never worse")  # pooled: both
+            out = filler if same else f"{filler}; in prose {prose}"
+            out = out.replace("worse pooled", "**worse pooled**")
             r = m["by"].get(f)
             if r is None or r["ppl_increase"] is None:
                 return out
@@ -451,9 +454,9 @@ def _low_bit(fmt: str) -> bool:
 
 def _refuse_to_skip(models: list[dict]) -> dict:
     """What each rung, run alone, would have let ship: the low-bit formats it passed that another rung showed
-    losing needles (worse than full precision at some length). The answer to chapter 4's check-yourself
+    losing needles (worse than full precision at some length in either haystack, or pooled). The answer to chapter 4's check-yourself
     question is the rung with the fewest such false passes."""
-    failed = {(m["name"], f) for m in models for f, r in m["by"].items() if _low_bit(f) and r["worse_at"]}
+    failed = {(m["name"], f) for m in models for f in m["by"] if _low_bit(f) and f not in m["held"]}
     passes = {"ppl": set(), "short": set(), "long": set()}
     for m in models:
         for f, r in m["by"].items():
@@ -687,7 +690,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["formats_md"] = _formats_md(values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:]
                                        + list(CH4_MITIGATIONS))
     values["flags_md"] = _flags_md([values[k] for k in keys], list(dict.fromkeys(
-        values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:])))
+        values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:] + ["int4_g16", "int4_token+rotate"])))
     for model in sweeps:
         m = values[CH4_KEYS.get(model, model)]
         m["mitigations_md"] = _mitigations_md(m)
@@ -742,7 +745,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["prose_spared"] = [f for f, r in m["prose"]["by"].items() if not r["worse_at"] and m["by"][f]["worse_at"]]
         m["prose_spared_md"] = names_md(m["prose_spared"])
         m["single_cell"] = [f for f, r in m["by"].items() if len(r["worse_at"]) == 1]
-        m["single_cell_md"] = ", ".join(f"`{f}` ({_k(m['by'][f]['worse_at'][0])})" for f in m["single_cell"]) or "none"
+        m["single_cell_md"] = ", ".join(
+            f"`{f}` ({_k(m['by'][f]['worse_at'][0])}; pooled −{m['pooled'][f].lost} +{m['pooled'][f].gained}, "
+            f"p = {m['pooled'][f].p:.2g})" for f in m["single_cell"]) or "none"
         m["longest_grow_k"] = _k(m["lengths"][max(m["grows_to"].values(), default=len(upto)) - 1])
         m["shrinks_at_longest"] = [f for f in m["grows_common"] if m["grows_to"][f] < len(m["lengths"])
                                    and lost[f][-1] < max(lost[f])]
@@ -768,15 +773,16 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         if r["worse_at"] and f in values[k]["held"]) or "none"
     # the rung's lengths pooled into one paired test per format: full precision's low rate leaves one length's
     # test few prompts a format could lose
-    for k in keys:
-        m = values[k]
-        m["orders_pooled_worse"] = [f for f, pr in m["orders_pooled"].items() if pr.verdict == "worse"]
-    values["orders_pooled_md"] = "; ".join(
-        f"{names_md(values[k]['orders_pooled_worse'])} on {values[k]['name']}" for k in keys
-        if values[k]["orders"]["measured"])
-    values["orders_pooled_new"] = [f"`{f}` on {values[k]['name']}" for k in keys for f in values[k]["orders_pooled_worse"]
-                                   if f in values[k]["held"]]
-    values["orders_pooled_new_md"] = "; ".join(values["orders_pooled_new"]) or "none"
+    for st in ("multikey", "orders"):
+        for k in keys:
+            m = values[k]
+            m[f"{st}_pooled_worse"] = [f for f, pr in m[f"{st}_pooled"].items() if pr.verdict == "worse"]
+        values[f"{st}_pooled_md"] = "; ".join(
+            f"{names_md(values[k][f'{st}_pooled_worse'])} on {values[k]['name']}" for k in keys
+            if values[k][st]["measured"])
+        values[f"{st}_pooled_new"] = [f"`{f}` on {values[k]['name']}" for k in keys
+                                      for f in values[k][f"{st}_pooled_worse"] if f in values[k]["held"]]
+        values[f"{st}_pooled_new_md"] = "; ".join(values[f"{st}_pooled_new"]) or "none"
     od = [values[k] for k in keys if values[k]["orders"]["measured"]]
     any_worse = any(f for m in od for f, r in m["orders"]["by"].items() if r["worse_at"])
     values["orders_summary_md"] = "" if not od else (
@@ -786,8 +792,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         + ("; no format was worse than full precision there." if not any_worse else
            "; the formats worse than it there were "
            + "; ".join(f"{m['orders']['short_md'] if not m['orders']['later'] else m['orders']['short_md'] + ', ' + m['orders']['later_md']} on {m['name']}" for m in od)
-           + ("; none that a single needle had passed." if values["orders_new_md"] == "none"
-              else f"; worse there only: {values['orders_new_md']}."))
+           + ("; none that a single needle had passed" if values["orders_new_md"] == "none"
+              else f"; worse there only: {values['orders_new_md']}")
+           + f". Pooled over its lengths: {values['orders_pooled_md']}; of these, never worse on a single needle: "
+             f"{values['orders_pooled_new_md']}.")
         + " Where full precision answers few prompts, a format can lose only those, so a clean verdict there says "
           "little (4.3 pools the rung's lengths).")
     for k in keys:  # each format's two prefill modes on the same prompts, by the chapter's one paired rule
@@ -900,8 +908,12 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                 at = st["by"][values["trap_first"]]["worse_at"]
                 cells = ", ".join(f"{_k(n)}: −{st['cell'][values['trap_first'], n]['lost']} "
                                   f"+{st['cell'][values['trap_first'], n]['gained']}" for n in at)
+                pool = m["pooled"][values["trap_first"]]
+                one = f"; one length only, but pooled −{pool.lost} +{pool.gained}, p = {pool.p:.2g}" if len(at) == 1 else ""
                 values["trap_first_md"] = (f"`{values['trap_first']}` on {m['name']} (worse in the {stage} haystack at "
-                                           f"{cells}{'; one length only' if len(at) == 1 else ''})")
+                                           f"{cells}{one})")
+    # how the trap would appear as the bar loosens: each further format and the bar above which it slips through
+    values["trap_more_md"] = ", ".join(f"`{f}` above {x:.1%}" for x, f in later_ppl[1:4]) or "no other format"
     never_one = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]  # filler, every length alone
     # no loss detected: never worse at any one length in either haystack, nor with them all pooled, on both models
     values["never_both"] = [f for f in never_one if all(f in m["held"] for m in both)]
@@ -934,6 +946,16 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     bounds = sorted(((exact_upper(m["pooled"][f].lost, m["pooled"][f].prompts), f, short(m))
                      for f in values["never_both"] for m in both), reverse=True)
     values["never_both_bound"] = bounds[0][0] if bounds else None
+    # the pooled bound averages over lengths: the worst single length of those formats, and its own bound
+    cells = [(c["lost"], -c["gained"], f, _k(n), short(m), c) for m in both for st in (m, m["prose"])
+             for (f, n), c in st.get("cell", {}).items() if f in values["never_both"]]
+    if cells:
+        lost, _, f, n, name, c = max(cells, key=lambda x: x[:2])
+        values["never_both_worst_md"] = (f"`{f}` at {n} on {name} lost {lost} and gained {c['gained']} of "
+                                         f"{c['prompts']} prompts, where one length's bound is "
+                                         f"{exact_upper(lost, c['prompts']):.0%}")
+    else:
+        values["never_both_worst_md"] = "none"
     values["never_both_bound_md"] = (f"at most {bounds[0][0]:.1%} of prompts for the loosest, `{bounds[0][1]}` on "
                                      f"{bounds[0][2]}, and at most {bounds[-1][0]:.1%} for the tightest, "
                                      f"`{bounds[-1][1]}` on {bounds[-1][2]}") if bounds else "none"

@@ -594,7 +594,7 @@ def _ladder_labels(r: dict) -> dict[str, str]:
     k = lambda n: f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
     return {"bits": "bits / value", "ppl_increase": f"perplexity vs {r['reference']}",
             "needle_short": f"needle at {k(r['short'])} (95% CI)",
-            "needle_long": f"needle at ≥{k(r['long_min'])}, pooled (95% CI)",
+            "needle_long": f"needle at ≥{k(r['long_min'])}, all depths (95% CI)",
             "prose_long": "prose needle, longest", "chain": "2-hop chain",
             "kl": "KL to teacher (nats / token)", "top1": "top-1 agreement",
             "first_divergence": f"first divergent token (mean of {r['teacher_prompts']} prompts; "

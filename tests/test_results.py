@@ -283,7 +283,7 @@ def test_ladder_markdown_and_cell_agreement(tmp_path):
     md = R.ladder_markdown(R.ladder(sweep))
     lines = md.splitlines()
     assert lines[0].startswith("| format | bits / value | perplexity vs fp32 | needle at 512 (95% CI) | "
-                               "needle at ≥2k, pooled (95% CI) | 2-hop chain | KL to teacher (nats / token) |"), lines[0]
+                               "needle at ≥2k, all depths (95% CI) | 2-hop chain | KL to teacher (nats / token) |"), lines[0]
     assert lines[0].endswith("| first divergent token (mean of 2 prompts; 32 = none) |") and len(lines) == 4
     assert "| int4 | 4.50 | +5.0% | 100% (51%–100%) | 25% (7%–59%) | — | 0.2000 |" in md, md
     # int4 differs from fp32 by 0.75 in both long cells: 4 of 6 cells agree within 0.25, all within 0.75
