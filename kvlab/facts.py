@@ -479,7 +479,10 @@ def _rungs_md(models: list[dict], fmts: list[str]) -> str:
     """One row per format: per model, the perplexity increase, the short needle's verdict, where it is worse."""
     head = "| format | " + " | ".join(f"{m['name']}: perplexity | short needle ({m['shortest_k']}) | worse at"
                                      for m in models) + " |"
-    out = [head, "|---" * (1 + 3 * len(models)) + "|"]
+    caption = ("*Filler haystack. Perplexity in bold where it misses the bar; the short needle's paired verdict; the "
+               "lengths where the paired test finds the format worse, each length alone (\"pooled\": worse only with every "
+               "length of both haystacks in one test, 4.1).*")
+    out = [caption, "", head, "|---" * (1 + 3 * len(models)) + "|"]
     for f in fmts:
         if f == "fp32":
             continue
@@ -492,7 +495,8 @@ def _rungs_md(models: list[dict], fmts: list[str]) -> str:
             ppl = "—" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}"
             cells += [f"**{ppl}**" if r["ppl_increase"] is not None and not r["ppl_ok"] else ppl,
                       "**worse**" if r["short_verdict"] == "worse" else "not worse",
-                      ", ".join(_k(n) for n in r["worse_at"]) or "never"]
+                      ", ".join(_k(n) for n in r["worse_at"])
+                      or ("pooled" if m["pooled"][f].verdict == "worse" else "never")]
         out.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -431,7 +431,7 @@ def verdict_markdown(sweeps: dict[str, LongSweep], formats: list[str], stage: st
             "multikey": "two named pass keys in the filler haystack",
             "orders": "an order ID copied from one of several order records in the prose haystack"}[stage]
     caption = (f"*{what.capitalize()}: needles found / prompts, then −lost +gained against `{reference}` on the same "
-               f"prompts; **✗**: worse (exact McNemar, p < {ALPHA}).*")
+               f"prompts; **✗**: worse (exact McNemar, p < {ALPHA}), at that length alone.*")
     return caption + "\n\n" + "\n".join(out)
 
 
