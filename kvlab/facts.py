@@ -1220,6 +1220,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     sweep = sweep if sweep is not None else load_sweep()
     per_point = {counts(sweep["formats"][f]["passkey"], length=n)[1] for f in sweep["formats"] for n in sweep["lengths"]}
     gemma = _model_facts(LongSweep.load(LONG_SWEEPS["gemma3-270m"]))  # chapter 4's long-context model
+    smol = _model_facts(LongSweep.load(LONG_SWEEPS["smollm2-135m"]))  # chapter 4's paired SmolLM2 sweep
     rows = decide.options(model, gpu, context, concurrency, weights_dtype=weights, formats=formats, sweep=sweep)
     by = {r["kv_format"]: r for r in rows}
     bf, f8, i4 = by["bf16"], by["fp8_e4m3"], by["int4"]
@@ -1244,7 +1245,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     noise = [decide._quality(sweep, f)["ppl_increase"] for f in eight if f in sweep["formats"]]
     # the call: formats on the shortlist that chapter 4 never found worse on Gemma, with Gemma's perplexity
     # under the bar too; of those, the fewest GPUs, then the lowest cost
-    safe = [f for f in picks if f != "bf16" and f in gemma["never"] and gemma["ppl"].get(f, 1) < PPL_TOLERANCE
+    safe = [f for f in picks if f != "bf16" and f in gemma["held"] and gemma["ppl"].get(f, 1) < PPL_TOLERANCE
             and plans.get(f)]
     call = min(safe, key=lambda f: (plans[f]["gpus"], plans[f]["usd_per_million_tokens"])) if safe else None
     big = next(x for x in B.published_vllm_logs() if x["id"] == CH1_LOG)["reserve_gib"]  # chapter 1.5's log
@@ -1269,7 +1270,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "int4_over_fp8": i4["max_concurrency"] / f8["max_concurrency"], "short1_speedup": short1["bf16"] / short1["int4"],
         "short1": short1, "int4_tensor_at_L": q["int4_tensor"]["exact_match"][L], "lengths_text": ", ".join(f"{n:,}" for n in sweep["lengths"][:-1]) + f" and {L:,}",
         "prompts_per_point": next(iter(per_point)) if len(per_point) == 1 else None,
-        "g": gemma, "g_never_md": names_md([f for f in gemma["never"] if f in CH6_FORMATS or f in ("q8_0", "int4_g16")]),
+        "g": gemma, "g_never_md": names_md([f for f in gemma["held"] if f in CH6_FORMATS or f in ("q8_0", "int4_g16")]),
+        "s_int4": smol["status"]["int4"],
         "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
     }
     claims = {
