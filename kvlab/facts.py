@@ -832,6 +832,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     G = values.get("G")
     S = values.get("S")
     values["S_int4_token_lost"] = None if S is None else sum(lost for lost, _ in S["lost_gained"]["int4_token"])
+    # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
+    values["s_cached_md"] = ((f"{S['cached']['lengths_text']} (paired) and " if S is not None and S["cached"]["measured"]
+                              else "") + f"{values['pf_length']:,} tokens (unpaired)")
     g_claims = {} if G is None else {
         "on Gemma q4_0 and int4_g16 are never worse": _claim({"q4_0", "int4_g16"} <= set(G["never"]), G["never"]),
         "on Gemma int4 passes the short needle and is worse at a longer length": _claim("int4" in G["later"], G["later"]),
