@@ -271,6 +271,7 @@ def _model_facts(sweep) -> dict:
     pooled = {n: sweep.paired_pooled(SINGLE_NEEDLE, n) for n in f["by"]}
     # never worse on the needle: at no length in either haystack, nor pooled (the takeaways' "held")
     held = [n for n in f["never"] if n not in prose_worse and pooled[n].verdict != "worse"]
+    intervals = {n: sweep.perplexity_interval(n) for n in ppl}  # 90% bootstrap over the passages read
     for n in f["never"]:  # never worse at one length in either haystack, yet worse pooled: say both
         if n not in prose_worse and pooled[n].verdict == "worse":
             f["status"][n] = f"never worse at one length, worse pooled (−{pooled[n].lost} +{pooled[n].gained})"
@@ -295,6 +296,9 @@ def _model_facts(sweep) -> dict:
                            for n in sweep.lengths("cached") for f in sweep.formats
                            if f != "fp32" and sweep.counts("cached", f, n)[1]},
         "ppl_paired": {n: sweep.paired_perplexity(n) for n in ppl},
+        # where the passages read decide which side of the bar a format falls: 90% bootstrap interval over passages
+        "ppl_on_bar": {n: iv for n, iv in intervals.items() if iv[0] <= PPL_TOLERANCE < iv[1]},
+        "perplexity_lo": {n: iv[0] for n, iv in intervals.items()},
         "vs_base": against_base(sweep), "vs_base_prose": against_base(sweep, "prose"),
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
@@ -436,7 +440,11 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
             if r is None or r["ppl_increase"] is None:
                 return out
             ppl = f"perplexity {r['ppl_increase']:+.1%}"
-            return f"{out}; {ppl if r['ppl_ok'] else '**' + ppl + '**'}"
+            ppl = ppl if r["ppl_ok"] else "**" + ppl + "**"
+            if f in m["ppl_on_bar"]:  # the passages read decide the side of the bar
+                lo, hi = m["ppl_on_bar"][f]
+                ppl += f" (on the bar: {lo:+.1%} to {hi:+.1%} over resampled passages)"
+            return f"{out}; {ppl}"
 
         name = f"`{f}`" + (" (scale fitted to each prompt)" if f.startswith("fp8") else "")
         nearest = notes.get(f, "") if not flags else ""  # what an engine offers closest to a kvlab-only format
@@ -693,6 +701,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                "undetectable": fewest_prompts_to_detect() - 1}
     values["formats_md"] = _formats_md(values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:]
                                        + list(CH4_MITIGATIONS))
+    values["on_bar_md"] = "; ".join(f"`{f}` on {values[k]['name']}" for k in keys for f in values[k]["ppl_on_bar"]) or (
+        "no format here: the nearest, " + min(((abs(values[k]["perplexity_lo"][f] - PPL_TOLERANCE), f"`{f}` on "
+                                                f"{values[k]['name']}, has {values[k]['perplexity_lo'][f]:+.1%} at the "
+                                                "interval's low end") for k in keys for f in values[k]["perplexity_lo"]
+                                               if values[k]["perplexity_lo"][f] > PPL_TOLERANCE), default=(0, "none"))[1])
     values["flags_md"] = _flags_md([values[k] for k in keys], list(dict.fromkeys(
         values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:] + ["int4_g16", "int4_token+rotate"])))
     for model in sweeps:

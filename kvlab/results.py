@@ -233,6 +233,28 @@ class LongSweep:
                 "increase": ppl / ref - 1, "worse_windows": worse, "better_windows": better,
                 "p": mcnemar(worse, better), "verdict": verdict(worse, better)}
 
+    def perplexity_interval(self, fmt: str, reference: str = "fp32", level: float = 0.90,
+                            resamples: int = 2000) -> tuple[float, float]:
+        """How much the perplexity increase of ``fmt`` over ``reference`` depends on which passages were read: a
+        percentile bootstrap over the held-out windows (resampled with their pairs kept, seeded, so the same data
+        give the same interval), ``(low, high)`` covering ``level`` of the resamples."""
+        import random
+
+        if not 0 < level < 1:
+            raise ValueError(f"level must be in (0, 1), got {level!r}")
+        rows = [(r["nll"][fmt] - r["nll"][reference], r["tokens"]) for r in self.records
+                if r["stage"] == PPL_STAGE and fmt in r["nll"] and reference in r["nll"]]
+        if not rows:
+            raise KeyError(f"no perplexity windows where {fmt!r} and {reference!r} both ran")
+        rng = random.Random(0)
+        boots = []
+        for _ in range(resamples):
+            pick = [rows[rng.randrange(len(rows))] for _ in rows]
+            boots.append(math.exp(sum(d for d, _ in pick) / sum(t for _, t in pick)) - 1)
+        boots.sort()
+        tail = (1 - level) / 2
+        return boots[int(tail * resamples)], boots[min(resamples - 1, int((1 - tail) * resamples))]
+
     def lengths(self, stage: str = "filler", complete: bool = True) -> list[int]:
         """The lengths measured in ``stage``; by default only those with every prompt of the design (a length
         still being swept is left out until it is whole: its prompts are not a sample of every depth yet)."""

@@ -369,6 +369,20 @@ def test_llamacpp_is_paired_with_the_long_sweep_prompt_by_prompt(tmp_path):
         R.llamacpp_paired({"cache_types": {"q8_0": llama["cache_types"]["q8_0"]}}, s)
 
 
+def test_the_perplexity_interval_shows_how_much_the_passages_decide(tmp_path):
+    same = R.LongSweep.load(_write(tmp_path, [_ppl(i, fp32=20.0, int4=20.5) for i in range(8)]))
+    lo, hi = same.perplexity_interval("int4")  # every passage says the same: no spread
+    assert lo == pytest.approx(hi) == pytest.approx(math.exp(0.05) - 1)
+    mixed = R.LongSweep.load(_write(tmp_path, [_ppl(i, fp32=20.0, int4=20.0 + i / 4) for i in range(8)]))
+    lo, hi = mixed.perplexity_interval("int4")
+    whole = mixed.paired_perplexity("int4")["increase"]
+    assert lo < whole < hi and mixed.perplexity_interval("int4") == (lo, hi)  # seeded: the same data, the same answer
+    with pytest.raises(ValueError, match="level"):
+        mixed.perplexity_interval("int4", level=1.5)
+    with pytest.raises(KeyError, match="no perplexity windows"):
+        mixed.perplexity_interval("q4_0")
+
+
 def test_paired_perplexity_can_read_only_the_first_windows(tmp_path):
     recs = [_ppl(i, fp32=10.0, int4=10.0 + (5.0 if i >= 2 else 0.0)) for i in range(4)]
     s = R.LongSweep.load(_write(tmp_path, recs))
