@@ -259,6 +259,8 @@ def _lists(sweep, stage: str) -> dict:
 
 def _model_facts(sweep) -> dict:
     """What one model's long sweep says, rung by rung (the sentences of 4.1-4.3 read these)."""
+    from .formats import get_format
+
     f = _lists(sweep, "filler")
     prose_worse = {n for n, r in _lists(sweep, "prose")["by"].items() if r["worse_at"]}
     if not f["measured"]:
@@ -303,8 +305,9 @@ def _model_facts(sweep) -> dict:
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
         "bits": {n: d.get("bits_per_element") for n, d in sweep.header["formats"].items()},
-        "never_low_md": ", ".join(f"`{n}` ({sweep.header['formats'][n]['bits_per_element']:.3g} bits)"
-                                  for n in held if _low_bit(n)) or "none",
+        "never_low_md": ", ".join(f"`{n}` ({sweep.header['formats'][n]['bits_per_element']:.3g} bits"
+                                  + (f" plus {r} recent tokens in full precision" if (r := get_format(n).residual) else "")
+                                  + ")" for n in held if _low_bit(n)) or "none",
         "never_8bit_md": names_md([n for n in held if not _low_bit(n)]),
     }
 
