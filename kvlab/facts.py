@@ -848,6 +848,15 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     G = values.get("G")
     S = values.get("S")
     values["S_int4_token_lost"] = None if S is None else sum(lost for lost, _ in S["lost_gained"]["int4_token"])
+    # SmolLM2's paired prompt-reads-the-cache stage, once swept: each format against full precision, and against
+    # its own full-prefill answers on the same prompts
+    values["s_cached_sentence_md"] = "" if S is None or not S["cached"]["measured"] else (
+        f"\n\nOn {S['name']} at {S['cached']['lengths_text']}, paired: " + "; ".join(
+            f"`{key.split()[0]}` found {v['cached'][0]} of {v['cached'][1]} (against {v['full'][0]} with the prompt in "
+            f"full precision; against full precision −{S['cached']['c'][key]['lost']} "
+            f"+{S['cached']['c'][key]['gained']}, {S['cached']['c'][key]['verdict']})"
+            for key, v in S["cached_vs_full"].items())
+        + f". Set against its own full-prefill answers on the same prompts, {S['cached_modes_md']}.")
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
     values["s_cached_md"] = ((f"{S['cached']['lengths_text']} (paired) and " if S is not None and S["cached"]["measured"]
                               else "") + f"{values['pf_length']:,} tokens (unpaired)")
