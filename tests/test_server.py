@@ -415,6 +415,25 @@ def test_tokenize_names_the_model_as_completions_does_and_huge_logprob_answers_a
         S.MAX_LOGPROB_ENTRIES = monkey
 
 
+def _serve_process(**popen):
+    """``kvlab serve`` on kvlab-tiny in its own process, on a free port, once it answers /health: (proc, port)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--model", "kvlab-tiny", "--kv-format", "int8",
+                             "--port", str(free)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    for _ in range(240):
+        try:
+            if httpx.get(f"http://127.0.0.1:{free}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    return proc, free
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path, sig):
@@ -422,24 +441,10 @@ def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path, sig):
     503 (or completes), the process exits 0 with a line on stderr, never aborting inside torch ('terminate
     called without an active exception')."""
     import signal
-    import subprocess
-    import sys
 
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))
-    free = port.getsockname()[1]
-    port.close()
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--model", "kvlab-tiny", "--kv-format", "int8",
-                             "--port", str(free)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc, free = _serve_process(preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         url = f"http://127.0.0.1:{free}"
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
         answer = {}
 
         def ask():
@@ -467,35 +472,22 @@ def test_ctrl_c_during_a_generation_stops_cleanly(tmp_path, sig):
 @pytest.mark.slow
 def test_a_second_signal_during_one_long_step_forces_a_clean_exit(tmp_path):
     """The first SIGTERM waits for the model's current step; a second one, while that step (here one forward
-    over a 16k-token echoed prompt) still runs, exits at once with 130: not an abort inside torch."""
+    over an 8k-token chunk of a 32k-token echoed prompt) still runs, exits at once with 130: not an abort inside torch."""
     import signal
-    import subprocess
-    import sys
 
-    port = socket.socket()
-    port.bind(("127.0.0.1", 0))
-    free = port.getsockname()[1]
-    port.close()
-    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--model", "kvlab-tiny", "--kv-format", "int8",
-                             "--port", str(free)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, free = _serve_process()
     try:
         url = f"http://127.0.0.1:{free}"
-        for _ in range(240):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
 
         def ask():
             with contextlib.suppress(httpx.HTTPError):
-                httpx.post(url + "/v1/completions", json={"prompt": [5] * 16000, "max_tokens": 1, "echo": True},
+                httpx.post(url + "/v1/completions", json={"prompt": [5] * 32000, "max_tokens": 1, "echo": True},
                            timeout=120)
 
         threading.Thread(target=ask, daemon=True).start()
         time.sleep(2)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(1)
+        time.sleep(0.3)  # well inside the chunk in progress (seconds each on a CPU)
         with pytest.raises(ConnectionRefusedError):  # the listening socket closed with the first signal
             socket.create_connection(("127.0.0.1", free), timeout=5).close()
         proc.send_signal(signal.SIGTERM)
