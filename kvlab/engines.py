@@ -146,7 +146,8 @@ LLAMA_CACHE_TYPES = ("f16", "q8_0", "q4_0")  # kvlab presets: fp16, q8_0, q4_0
 
 
 def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 2048), depths=(0.0, 0.5, 1.0),
-                     trials: int = 5, seed: int = 0, threads: int | None = None, progress: bool = False) -> dict:
+                     trials: int = 5, seed: int = 0, threads: int | None = None, progress: bool = False,
+                     done: dict | None = None, on_row=None) -> dict:
     """Passkey exact match with llama.cpp (``llama-cpp-python``) running the GGUF file itself.
 
     The prompts are the ones chapter 4's sweep used (:func:`kvlab.tasks.sweep_prompts`), fed as token
@@ -155,6 +156,10 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     depth, trials, correct, outcomes}], "seconds": s}}``; ``outcomes`` holds each prompt's exact match in
     the order :func:`~kvlab.tasks.sweep_prompts` made them, so the answers can be paired with kvlab's on the
     same prompts (:func:`kvlab.results.llamacpp_paired`).
+
+    ``done`` is an earlier return value (same seed, depths and trials): its rows are kept and their cells not
+    run again, so a long run resumes. ``on_row(result)`` is called with the whole result so far after every
+    new row (a script writes it to disk there, so hours of work survive an interruption).
 
     What cannot agree bit for bit with kvlab's emulation: llama.cpp runs the file's own Q4_1 weights
     (kvlab dequantizes them to float32 once), and its CPU dot products quantize activations too. Compare
@@ -177,14 +182,23 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
         raise ValueError(f"cache types must be among {list(types)}, got {bad}")
     if not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be a positive integer, got {trials!r}")
-    out = {}
+    done = done or {}
+    if not isinstance(done, dict) or any(not isinstance(v, dict) or not isinstance(v.get("rows"), list)
+                                         for v in done.values()):
+        raise ValueError("done must be an earlier result: {cache type: {'rows': [...], 'seconds': s}}")
+    out = {ct: {"rows": list(v["rows"]), "seconds": float(v.get("seconds", 0.0))} for ct, v in done.items()}
     for ct in cache_types:
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(lengths) + 64, n_batch=512, type_k=types[ct],
-                              type_v=types[ct], flash_attn=True, n_threads=threads or os.cpu_count(),
+        have = {(r["length"], float(r["depth"])) for r in out.get(ct, {}).get("rows", []) if r["trials"] == trials}
+        cells = [(n, float(d)) for n in lengths for d in depths if (n, float(d)) not in have]
+        if not cells:
+            continue
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(n for n, _ in cells) + 64, n_batch=512,
+                              type_k=types[ct], type_v=types[ct], flash_attn=True, n_threads=threads or os.cpu_count(),
                               logits_all=False, verbose=False, seed=seed)
-        rows, t0 = [], time.time()
-        cells = [(n, float(d)) for n in lengths for d in depths]
+        res = out.setdefault(ct, {"rows": [], "seconds": 0.0})
+        res["rows"] = [r for r in res["rows"] if r["trials"] == trials]  # rows of another trial count: run again
         for n, d in tqdm(cells, desc=f"llama.cpp {ct}", disable=not progress, leave=False):
+            t0 = time.time()
             outcomes = []
             for ex in sweep_prompts(tasks.passkey, tok, n, d, trials, seed):
                 got = []
@@ -193,8 +207,12 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
                     if len(got) == len(ex.answer_ids):
                         break
                 outcomes.append(got == ex.answer_ids)
-            rows.append({"length": n, "depth": d, "trials": trials, "correct": sum(outcomes), "outcomes": outcomes})
-        out[ct] = {"rows": rows, "seconds": round(time.time() - t0, 1)}
+            res["rows"].append({"length": n, "depth": d, "trials": trials, "correct": sum(outcomes),
+                                "outcomes": outcomes})
+            res["rows"].sort(key=lambda r: (r["length"], r["depth"]))
+            res["seconds"] = round(res["seconds"] + time.time() - t0, 1)
+            if on_row is not None:
+                on_row(out)
         del llm
     return out
 

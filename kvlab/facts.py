@@ -1048,7 +1048,7 @@ def llamacpp_gemma(sweep, path=None) -> dict:
     import json
 
     from .paths import RESULTS_DIR
-    from .results import llamacpp_paired
+    from .results import llamacpp_paired, llamacpp_pending
 
     path = path or RESULTS_DIR / "engines_llamacpp_gemma3.json"
     if sweep is None or not path.is_file():
@@ -1070,12 +1070,18 @@ def llamacpp_gemma(sweep, path=None) -> dict:
             if ct != "f16":
                 agree.append((ct, n, e.verdict == k.verdict, e, k))
     same = all(g for _, _, g, _, _ in agree)
+    pending = llamacpp_pending(doc)
+    running = "; ".join(f"{ct} at {_k(n)}: {k} of {len(doc['depths']) * doc['trials']} prompts"
+                        for ct, by_n in pending.items() for n, k in by_n.items())
     summary = (f"llama.cpp {doc.get('versions', {}).get('llama-cpp-python', '?')} (llama-cpp-python) ran on "
                f"{doc.get('machine', '?')}, {doc.get('date', '?')}. "
                + ("Against its own full-precision cache, each quantized cache got the same paired verdict in llama.cpp "
                   "as in kvlab: " if same else "The paired verdicts differ between the two: ")
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
-                           f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + ".")
+                           f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + "."
+               + (f" Not finished yet, so not in the table (`python scripts/compare_engines.py --llama-cpp --model "
+                  f"gemma3-270m --lengths {' '.join(str(n) for n in doc['lengths'])}` resumes it): {running}."
+                  if pending else ""))
     intro = ("The long-context model's GGUF ran in llama.cpp too, on the long sweep's own filler prompts (same seed, "
              "depths and prompts a depth), so each llama.cpp answer pairs with kvlab's on the identical prompt. "
              "llama.cpp's prompt reads its quantized cache, so its q4_0 sits beside kvlab's q4_0 with the prompt "

@@ -705,6 +705,21 @@ def _paired(fmt: str, reference: str, a: list[bool], b: list[bool]) -> Paired:
                   gained=sum(x and not y for x, y in zip(a, b)))
 
 
+def llamacpp_pending(llama: dict) -> dict:
+    """The lengths a llama.cpp run has not finished: ``{cache type: {length: prompts answered so far}}`` for every
+    cache type and length of ``llama["lengths"]`` whose rows do not cover all of ``llama["depths"]`` (a resumable run
+    writes after each depth, so a file can hold part of a length)."""
+    rows_all = [r for res in llama["cache_types"].values() for r in res["rows"]]
+    want = {float(d) for d in (llama.get("depths") or [r["depth"] for r in rows_all])}
+    out = {}
+    for ct, res in llama["cache_types"].items():
+        for n in llama.get("lengths") or sorted({r["length"] for r in rows_all}):
+            rows = [r for r in res["rows"] if r["length"] == n]
+            if {float(r["depth"]) for r in rows} != want:
+                out.setdefault(ct, {})[n] = sum(r["trials"] for r in rows)
+    return out
+
+
 def llamacpp_paired(llama: dict, sweep: LongSweep) -> dict:
     """llama.cpp's cache types against kvlab's on the identical prompts of a long sweep, prompt by prompt.
 
@@ -714,7 +729,8 @@ def llamacpp_paired(llama: dict, sweep: LongSweep) -> dict:
     quantized types are set beside kvlab's ``"cached"`` stage where the sweep has that format at that length,
     and beside the ``"filler"`` stage (prompt attending in full precision) otherwise: ``kvlab_stage`` says
     which. Returns ``{cache type: {length: {"preset", "kvlab_stage", "engine": Paired (cache type vs llama.cpp's
-    f16), "kvlab": Paired (preset vs kvlab's fp32), "between": Paired (llama.cpp vs kvlab, same cache)}}}``.
+    f16), "kvlab": Paired (preset vs kvlab's fp32), "between": Paired (llama.cpp vs kvlab, same cache)}}}`` over the
+    lengths both the cache type and f16 finished (:func:`llamacpp_pending` lists the others).
     """
     def mine(rows, n):
         got = {}
@@ -729,10 +745,13 @@ def llamacpp_paired(llama: dict, sweep: LongSweep) -> dict:
     types = llama["cache_types"]
     if "f16" not in types:
         raise ValueError("the llama.cpp results need its f16 cache as the reference")
+    pending = llamacpp_pending(llama)
     out = {}
     for ct, res in types.items():
         preset = LLAMA_TO_PRESET[ct]
         for n in sorted({r["length"] for r in res["rows"]}):
+            if n in pending.get(ct, {}) or n in pending.get("f16", {}):
+                continue  # a length still running (or never finished) is not paired
             eng, ref = mine(res["rows"], n), mine(types["f16"]["rows"], n)
             if preset == "fp16":  # each side's full-precision cache: llama.cpp's f16, the sweep's fp32
                 stage, col = "filler", "fp32"

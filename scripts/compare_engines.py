@@ -9,7 +9,8 @@ prompt at 512 tokens) and writes nowhere unless ``--out`` is given.
 ``--llama-cpp --model gemma3-270m``: the same on Gemma 3 270M's GGUF file (Q4_K_M weights), by default at
 8,192 tokens on the prompts of the long sweep's filler stage (``scripts/sweep_long.py``: same seed, depths and
 prompts a depth), so each answer pairs with kvlab's on the identical prompt. Writes
-``data/results/engines_llamacpp_gemma3.json``.
+``data/results/engines_llamacpp_gemma3.json`` after every (length, depth) cell, and a rerun with the same depths
+and trials resumes it: the cells it holds are kept, new lengths are added (32,768 tokens takes hours on 2 cores).
 
 ``--llama-server``: the same comparison the way a reader would run it against real deployments: two
 llama.cpp servers (``python -m llama_cpp.server``, OpenAI-compatible) on the same GGUF, one with an f16
@@ -28,7 +29,7 @@ versions, machine and run time; chapter 4 reads it.
     python scripts/compare_engines.py --quanto [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --hqq [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --llama-cpp [--lengths 512 2048] [--trials 5]   # 8192 adds ~45 min on 2 cores
-    python scripts/compare_engines.py --llama-cpp --model gemma3-270m [--lengths 8192 32768]
+    python scripts/compare_engines.py --llama-cpp --model gemma3-270m [--lengths 8192 32768] [--cache-types f16 q4_0]
     python scripts/compare_engines.py --llama-server [--lengths 512 2048] [--trials 3]
 """
 
@@ -67,6 +68,8 @@ def main(argv=None) -> dict:
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--cache-types", nargs="+", choices=list(engines.LLAMA_CACHE_TYPES), default=None,
+                   help="llama.cpp: which K/V cache types run, in this order (default: all)")
     p.add_argument("--quick", action="store_true", help="llama.cpp: the first case only (a smoke test)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -75,6 +78,8 @@ def main(argv=None) -> dict:
     gemma = args.model == "gemma3-270m"
     if gemma and not args.llama_cpp:
         p.error("--model gemma3-270m is for --llama-cpp")
+    if args.cache_types and not args.llama_cpp:
+        p.error("--cache-types is for --llama-cpp")
     if args.quick and not args.llama_cpp:
         p.error("--quick is for --llama-cpp (a smoke test of its first case)")
     if (args.quanto or args.hqq) and args.depths != p.get_default("depths"):
@@ -122,24 +127,38 @@ def llama(args) -> dict:
 
     gemma = args.model == "gemma3-270m"
     tok = AutoTokenizer.from_pretrained(gemma3_folder() if gemma else smollm2_folder())
-    kw = dict(lengths=args.lengths, depths=args.depths, trials=args.trials)
+    kw = dict(lengths=args.lengths, depths=args.depths, trials=args.trials,
+              cache_types=tuple(args.cache_types or engines.LLAMA_CACHE_TYPES))
     if args.quick:
         kw = dict(cache_types=("f16",), lengths=[512], depths=[0.5], trials=1)
-    t = time.time()
-    res = engines.llamacpp_passkey(gemma3_gguf() if gemma else smollm2_gguf(), tok, progress=not args.quick, **kw)
     who = ("Gemma 3 270M's GGUF file (Q4_K_M weights)" if gemma
            else "SmolLM2-135M-Instruct's GGUF file (Q4_1 weights)")
     prompts = ("the long sweep's filler-stage prompts (scripts/sweep_long.py, seed 0)" if gemma
                else "chapter 4's sweep prompts (filler haystack)")
     doc = {"what": f"llama.cpp (llama-cpp-python) running {who} with K and V cache types f16 / q8_0 / q4_0, flash "
                    f"attention on; passkey exact match on {prompts}, fed as token ids",
-           "model": args.model,
-           "lengths": kw["lengths"], "depths": kw["depths"], "trials": kw["trials"], "cache_types": res,
-           "versions": {"llama-cpp-python": md.version("llama-cpp-python"), "torch": torch.__version__},
-           "build": os.environ.get("CMAKE_ARGS", ""), "machine": cpu_model(), "threads": os.cpu_count(),
-           "seconds": round(time.time() - t), "date": dt.date.today().isoformat()}
-    if args.out is not None:
-        write_json(args.out, doc)
+           "model": args.model, "lengths": list(kw["lengths"]), "depths": kw["depths"], "trials": kw["trials"],
+           "cache_types": {}}
+    # an earlier run with the same model, depths and trials is resumed: its rows are kept, its lengths added
+    old = json.loads(args.out.read_text()) if args.out is not None and args.out.is_file() and not args.quick else None
+    if old and all(old.get(k) == doc[k] for k in ("model", "depths", "trials")):
+        doc["lengths"] = sorted(set(old["lengths"]) | set(doc["lengths"]))
+        doc["cache_types"] = old["cache_types"]
+        print(f"resuming {args.out}: {sum(len(v['rows']) for v in old['cache_types'].values())} rows kept")
+    elif old:
+        print(f"{args.out} was made with another model, depths or trials: it is replaced")
+
+    def save(res):
+        doc.update(cache_types=res, versions={"llama-cpp-python": md.version("llama-cpp-python"),
+                                              "torch": torch.__version__},
+                   build=os.environ.get("CMAKE_ARGS", ""), machine=cpu_model(), threads=os.cpu_count(),
+                   seconds=round(sum(v["seconds"] for v in res.values())), date=dt.date.today().isoformat())
+        if args.out is not None:
+            write_json(args.out, doc)
+
+    res = engines.llamacpp_passkey(gemma3_gguf() if gemma else smollm2_gguf(), tok, progress=not args.quick,
+                                   done=doc["cache_types"], on_row=save, **kw)
+    save(res)
     print(json.dumps({ct: sum(r["correct"] for r in v["rows"]) for ct, v in res.items()}))
     return doc
 

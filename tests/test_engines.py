@@ -88,7 +88,7 @@ def test_shipped_llamacpp_comparison_has_its_schema():
 def test_shipped_llamacpp_gemma_run_pairs_with_the_long_sweep_prompt_by_prompt():
     """llama.cpp on Gemma's GGUF ran the long sweep's own prompts: every row keeps each prompt's outcome and every
     cache type pairs with kvlab on all 25 prompts of each length it ran."""
-    from kvlab.results import LONG_SWEEPS, LongSweep, llamacpp_paired
+    from kvlab.results import LONG_SWEEPS, LongSweep, llamacpp_paired, llamacpp_pending
 
     path = RESULTS_DIR / "engines_llamacpp_gemma3.json"
     if not path.exists():
@@ -97,8 +97,9 @@ def test_shipped_llamacpp_gemma_run_pairs_with_the_long_sweep_prompt_by_prompt()
     assert doc["model"] == "gemma3-270m" and set(doc["cache_types"]) == set(engines.LLAMA_CACHE_TYPES)
     pairs = llamacpp_paired(doc, LongSweep.load(LONG_SWEEPS["gemma3-270m"]))
     assert set(pairs) == set(engines.LLAMA_CACHE_TYPES)
-    for by_n in pairs.values():
-        assert set(by_n) == set(doc["lengths"])
+    pending = llamacpp_pending(doc)  # a length still running (the run resumes) is not paired
+    for ct, by_n in pairs.items():
+        assert set(by_n) == set(doc["lengths"]) - set(pending.get(ct, {})) - set(pending.get("f16", {})) != set()
         for x in by_n.values():
             assert x["engine"].prompts == x["kvlab"].prompts == x["between"].prompts == len(doc["depths"]) * doc["trials"]
 
@@ -133,3 +134,38 @@ def test_compare_engines_refuses_flags_it_would_ignore_before_any_run(argv, need
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_engines.py"), *argv], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+
+
+def test_llamacpp_run_resumes_and_reports_every_row(monkeypatch, shipped):
+    """A long llama.cpp run writes after each (length, depth) cell and a rerun keeps those cells: a stand-in
+    ``llama_cpp`` module counts the prompts the engine is given."""
+    import sys
+    import types
+
+    _, tok = shipped
+    seen = []
+
+    class Llama:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def generate(self, ids, **kw):
+            seen.append(len(ids))
+            yield from [7, 7, 7, 7, 7, 7, 7, 7]
+
+    fake = types.SimpleNamespace(Llama=Llama, GGML_TYPE_F16=1, GGML_TYPE_Q8_0=8, GGML_TYPE_Q4_0=2)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    saved = []
+    kw = dict(cache_types=("f16", "q4_0"), depths=(0.0, 1.0), trials=2)
+    first = engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), on_row=lambda r: saved.append(json.dumps(r)), **kw)
+    assert len(saved) == 4 and len(seen) == 8  # 2 cache types x 2 depths, each written when done
+    assert all(len(v["rows"]) == 2 and v["rows"][0]["outcomes"] == [False, False] for v in first.values())
+    seen.clear()
+    again = engines.llamacpp_passkey("x.gguf", tok, lengths=(64, 96), done=json.loads(saved[-1]), **kw)
+    assert seen == [96] * 8  # only the new length ran
+    assert [(r["length"], r["depth"]) for r in again["q4_0"]["rows"]] == [(64, 0.0), (64, 1.0), (96, 0.0), (96, 1.0)]
+    seen.clear()
+    engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done=again, **{**kw, "trials": 3})
+    assert len(seen) == 12  # rows of another trial count are run again
+    with pytest.raises(ValueError, match="done must be an earlier result"):
+        engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done={"f16": []}, **kw)

@@ -362,6 +362,14 @@ def test_llamacpp_is_paired_with_the_long_sweep_prompt_by_prompt(tmp_path):
     q8 = t["q8_0"][64]
     assert q8["kvlab_stage"] == "filler" and (q8["engine"].gained, q8["kvlab"].lost) == (1, 1)
     assert t["f16"][64]["kvlab_stage"] == "filler" and t["f16"][64]["between"].lost == 1
+    # a resumed run writes after each depth: a length not finished by a cache type (or by f16) is not paired
+    part = {"lengths": [64, 128], "depths": [0.0, 0.5], **llama}
+    part["cache_types"] = {ct: {"rows": [v["rows"][0], {**v["rows"][0], "depth": 0.5}]} for ct, v in llama["cache_types"].items()}
+    part["cache_types"]["q4_0"]["rows"].append({**llama["cache_types"]["q4_0"]["rows"][0], "length": 128})
+    assert R.llamacpp_pending(part) == {ct: {128: 4 if ct == "q4_0" else 0} for ct in ("f16", "q8_0", "q4_0")}
+    assert all(set(by_n) == {64} for by_n in R.llamacpp_paired(part, s).values())
+    part["cache_types"]["f16"]["rows"].pop()  # f16 without depth 0.5 at 64: nothing pairs at 64 either
+    assert R.llamacpp_pending(part)["f16"] == {64: 4, 128: 0} and R.llamacpp_paired(part, s) == {}
     llama["cache_types"]["q4_0"]["rows"][0].pop("outcomes")
     with pytest.raises(ValueError, match="no per-prompt outcomes"):
         R.llamacpp_paired(llama, s)
