@@ -8,8 +8,9 @@ context and concurrency:
   read together: ``time = max(bytes read / bandwidth, FLOPs / peak)`` for one step of the whole batch.
   A format cannot speed up the part of the step that reads weights, so its gain shrinks when the
   weights dominate (small batch, short context) and grows when the cache does.
-* **what it risks** (chapter 4): passkey exact match measured on SmolLM2-135M-Instruct at each length
-  of the shipped sweep, and the perplexity cost, with the caveat that this is one small model.
+* **what it risks** (chapter 4): the paired needle verdict (never worse than full precision on identical
+  prompts, at any length or pooled) and the perplexity cost on each of chapter 4's two models
+  (:func:`kvlab.facts.paired_risk`), with the caveat that these are two small models.
 * **how to switch** (``kvlab formats --engines``): each engine's flag for the format, from its docs.
 * **what to run first**: the ``kvlab niah --endpoint`` command for the context you serve.
 """
@@ -135,24 +136,25 @@ def _reserves(reserve_gib) -> dict[int, float]:
     return {tp: B._gib(f"reserve_gib[{tp}]", v) for tp, v in reserve_gib.items()}
 
 
-def _quality(sweep: dict | None, fmt: str) -> dict:
-    """Chapter 4's measurements for ``fmt``: exact match at the sweep's lengths, perplexity cost, fp32's curve."""
-    if sweep is None or fmt not in sweep.get("formats", {}):
-        return {"measured": False}
-    from .results import ladder, quality_by_length
+REFERENCE_FORMATS = ("bf16", "fp16", "fp32")  # full precision: the reference every paired test compares against
 
-    q = quality_by_length(sweep, [fmt])[fmt]
-    lengths = sorted(n for n, v in q.items() if v is not None)
-    rows = {r["kv_format"]: r for r in ladder(sweep, short=min(lengths), long_min=max(lengths))}
-    ref = quality_by_length(sweep, ["fp32"])["fp32"] if "fp32" in sweep["formats"] else {}
-    return {"measured": True, "exact_match": q, "longest_measured": max(lengths), "ppl_increase": rows[fmt]["ppl_increase"], "reference_curve": ref}
+
+def _quality(risk: dict | None, fmt: str) -> dict:
+    """Chapter 4's paired verdicts for ``fmt`` on each model of ``risk`` (:func:`kvlab.facts.paired_risk`)."""
+    if risk is None:
+        return {"measured": False}
+    if fmt in REFERENCE_FORMATS:
+        return {"measured": True, "reference": True, "models": {}}
+    models = {m: {"held": fmt in r["held"], "needle": r["needle"][fmt], "ppl_increase": r["ppl"].get(fmt)}
+              for m, r in risk.items() if fmt in r["needle"]}
+    return {"measured": bool(models) and len(models) == len(risk), "reference": False, "models": models}
 
 
 def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = "bf16", formats=DEFAULT_FORMATS,
-            tp: int = 1, memory_utilization: float = 0.9, sweep: dict | None = None, endpoint_hint: str = "URL") -> list[dict]:
+            tp: int = 1, memory_utilization: float = 0.9, risk: dict | None = None, endpoint_hint: str = "URL") -> list[dict]:
     """One row per format for serving ``concurrency`` sequences of ``context`` tokens (see the module docstring).
 
-    ``sweep`` is chapter 4's ``eval_sweep.json`` (``kvlab.results.load_sweep()``); without it the
+    ``risk`` is chapter 4's paired verdicts per model (:func:`kvlab.facts.paired_risk`); without it the
     quality columns say "not measured". Rows keep the order of ``formats``; the first is the baseline
     the speed-ups are measured against.
     """
@@ -189,7 +191,7 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
             "running": batch, "step_ms": st.seconds * 1e3 if st else None, "bound": st.bound if st else None,
             "cache_share": st.cache_share if st else None, "tokens_per_s": tps,
             "speedup": tps / base if base else None, "engines": engines,
-            "quality": _quality(sweep, name),
+            "quality": _quality(risk, name),
             "eval_args": eval_args, "eval": f"kvlab niah --endpoint {endpoint_hint} {eval_args}",
         })
     return rows
@@ -210,23 +212,34 @@ def switch_md(row: dict, baseline: str = "bf16") -> str:
         f"    --tokenizer YOUR/MODEL {row['eval_args']} --out {name}-vs-{baseline}.json\n```")
 
 
-def markdown(rows: list[dict]) -> str:
-    """The decision table as Markdown (numbers rounded for reading)."""
-    head = ("| format | bits | cache / GPU | fits one GPU | most sequences | step | tokens/s | vs first | "
-            "passkey (SmolLM2, longest) | perplexity |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
-    out = [head]
+def markdown(rows: list[dict], quality: bool = True) -> str:
+    """The decision table as Markdown (numbers rounded for reading); ``quality=False`` leaves out the risk columns
+    (chapter 4's paired needle verdict and perplexity change, one value per model, in the models' order)."""
+    models = next((list(r["quality"]["models"]) for r in rows if r["quality"].get("models")), [])
+    quality = quality and bool(models)
+    head = "| format | bits | cache / GPU | fits one GPU | most sequences | step | tokens/s | vs first |"
+    rule = "|---|---:|---:|---|---:|---:|---:|---:|"
+    if quality:
+        who = " · ".join(m.split()[0].split("-")[0] for m in models)
+        head += f" needle held ({who}) | perplexity ({who}) |"
+        rule += "---|---|"
+    out = [head, rule]
     for r in rows:
-        q = r["quality"]
-        if q["measured"]:
-            em = q["exact_match"][q["longest_measured"]]
-            qual, ppl = f"{em:.0%} at {q['longest_measured']:,}", f"{q['ppl_increase']:+.1%}"
-        else:
-            qual, ppl = "not measured", "—"
         step = f"{r['step_ms']:.1f} ms" if r["step_ms"] is not None else "—"
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "—"
-        out.append(f"| `{r['kv_format']}` | {r['bits_per_element']:g} | {r['cache_gib_per_gpu']:.1f} GiB | "
-                   f"{'yes' if r['fits'] else '**no**'} | {r['max_concurrency']:,} | {step} | {r['tokens_per_s']:,.0f} | "
-                   f"{sp} | {qual} | {ppl} |")
+        line = (f"| `{r['kv_format']}` | {r['bits_per_element']:g} | {r['cache_gib_per_gpu']:.1f} GiB | "
+                f"{'yes' if r['fits'] else '**no**'} | {r['max_concurrency']:,} | {step} | {r['tokens_per_s']:,.0f} | {sp} |")
+        if quality:
+            q = r["quality"]
+            if q.get("reference"):
+                line += " reference | reference |"
+            elif not q["measured"]:
+                line += " not measured | — |"
+            else:
+                ms = [q["models"][m] for m in models]
+                line += (" " + " · ".join("yes" if x["held"] else "**no**" for x in ms) + " | "
+                         + " · ".join(f"{x['ppl_increase']:+.1%}" if x["ppl_increase"] is not None else "—" for x in ms) + " |")
+        out.append(line)
     return "\n".join(out)
 
 
@@ -242,9 +255,10 @@ def throughput_curves(model, gpu, context: int, formats=DEFAULT_FORMATS, concurr
     return out
 
 
-def shortlist(rows: list[dict], reference: str = "fp32", tolerance: float = 0.12, max_ppl: float | None = None) -> list[str]:
-    """Formats an engine offers whose measured passkey stays within ``tolerance`` of ``reference`` at every
-    measured length and whose perplexity cost is under ``max_ppl`` (chapter 4's sweep), in the rows' order.
+def shortlist(rows: list[dict], max_ppl: float | None = None) -> list[str]:
+    """Formats an engine offers that held on the needle on every model of chapter 4's paired sweeps (never
+    worse than full precision at one length in either haystack, nor pooled) and whose perplexity cost is
+    under ``max_ppl`` on every model, in the rows' order; full precision (the reference) is kept.
     ``max_ppl`` defaults to the workbook's one perplexity bar, :data:`kvlab.results.PPL_TOLERANCE`."""
     if max_ppl is None:
         from .results import PPL_TOLERANCE as max_ppl
@@ -253,8 +267,7 @@ def shortlist(rows: list[dict], reference: str = "fp32", tolerance: float = 0.12
         q = r["quality"]
         if not (q["measured"] and r["engines"]):
             continue
-        ref = q.get("reference_curve") or {}
-        close = all(v is not None and (ref.get(n) is None or v >= ref[n] - tolerance) for n, v in q["exact_match"].items())
-        if close and q["ppl_increase"] < max_ppl:
+        if q["reference"] or all(m["held"] and m["ppl_increase"] is not None and m["ppl_increase"] < max_ppl
+                                 for m in q["models"].values()):
             picks.append(r["kv_format"])
     return picks

@@ -312,6 +312,33 @@ def _model_facts(sweep) -> dict:
     }
 
 
+def needle_label(mf: dict, fmt: str) -> str:
+    """One model's paired needle verdict for ``fmt``, short (``mf`` is :func:`_model_facts`): "held", or the first
+    test it failed: "worse at 1k, 4k" (filler haystack), "worse in prose at 8k", "worse pooled (−6 +0)"."""
+    if fmt in mf["held"]:
+        return "held"
+    if at := mf["by"][fmt]["worse_at"]:
+        return "worse at " + ", ".join(_k(n) for n in at)
+    if at := mf["prose"]["by"].get(fmt, {}).get("worse_at"):
+        return "worse in prose at " + ", ".join(_k(n) for n in at)
+    p = mf["pooled"][fmt]
+    return f"worse pooled (−{p.lost} +{p.gained})"
+
+
+def paired_risk(sweeps: dict | None = None, model_facts: list | None = None) -> dict:
+    """Chapter 4's paired verdicts per model, the quality input of :func:`kvlab.decide.options`:
+    ``{model name: {"held": [formats], "needle": {format: short verdict}, "ppl": {format: perplexity change}}}``.
+    ``sweeps`` maps model ids to :class:`~kvlab.results.LongSweep` (default: both shipped sweeps);
+    ``model_facts`` are :func:`_model_facts` already computed from them."""
+    from .results import LONG_SWEEPS, LongSweep
+
+    if model_facts is None:
+        sweeps = sweeps or {m: LongSweep.load(p) for m, p in LONG_SWEEPS.items()}
+        model_facts = [_model_facts(sw) for sw in sweeps.values()]
+    return {mf["name"]: {"held": list(mf["held"]), "needle": {f: needle_label(mf, f) for f in mf["by"]},
+                         "ppl": dict(mf["ppl"])} for mf in model_facts}
+
+
 SINGLE_NEEDLE = ("filler", "prose")  # the stages whose prompts hold one passkey: pooled together for 4.1's verdict
 CH4_HEAD_DIM = {"smollm2-135m": 64, "gemma3-270m": 256}
 CH4_COMMON_LONGEST = 8192  # both models are swept to here (SmolLM2's window)
@@ -1239,23 +1266,25 @@ CH6_LADDER_PROMPTS = 50  # prompts a server in the endpoint ladder of 6.4
 
 def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], weights=CH6_DEPLOYMENT["weights"],
                       context=CH6_DEPLOYMENT["context"], concurrency=CH6_DEPLOYMENT["concurrency"],
-                      formats=CH6_FORMATS, sweep: dict | None = None) -> Facts:
+                      formats=CH6_FORMATS, sweeps: dict | None = None) -> Facts:
     """Chapter 6: what each format buys for one deployment (room, roofline speed), what it risks, the shortlist.
 
-    The claims are about the chapter's own deployment; run with yours and :meth:`Facts.failed` names the
-    sentences that no longer describe it.
+    The risk is chapter 4's paired sweeps (``sweeps``: model id -> :class:`~kvlab.results.LongSweep`, default
+    both shipped ones), the same paired test on identical prompts as every other chapter. The claims are about
+    the chapter's own deployment; run with yours and :meth:`Facts.failed` names the sentences that no longer
+    describe it.
     """
     from . import budget as B
     from . import decide
     from .formats import get_format
-    from .results import LONG_SWEEPS, PPL_TOLERANCE, LongSweep, counts, load_sweep, wilson
+    from .results import LONG_SWEEPS, PPL_TOLERANCE, LongSweep, wilson
     from .roofline import MBU
 
-    sweep = sweep if sweep is not None else load_sweep()
-    per_point = {counts(sweep["formats"][f]["passkey"], length=n)[1] for f in sweep["formats"] for n in sweep["lengths"]}
-    gemma = _model_facts(LongSweep.load(LONG_SWEEPS["gemma3-270m"]))  # chapter 4's long-context model
-    smol = _model_facts(LongSweep.load(LONG_SWEEPS["smollm2-135m"]))  # chapter 4's paired SmolLM2 sweep
-    rows = decide.options(model, gpu, context, concurrency, weights_dtype=weights, formats=formats, sweep=sweep)
+    sweeps = sweeps or {m: LongSweep.load(path) for m, path in LONG_SWEEPS.items()}
+    smol = _model_facts(sweeps["smollm2-135m"])  # chapter 4's paired SmolLM2 sweep (to 8k)
+    gemma = _model_facts(sweeps["gemma3-270m"])  # chapter 4's long-context model (to 32k)
+    risk = paired_risk(model_facts=[smol, gemma])
+    rows = decide.options(model, gpu, context, concurrency, weights_dtype=weights, formats=formats, risk=risk)
     by = {r["kv_format"]: r for r in rows}
     bf, f8, i4 = by["bf16"], by["fp8_e4m3"], by["int4"]
     steps = [r["step_ms"] for r in rows]
@@ -1267,7 +1296,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     share1 = decide.step_time(model, 1, context, "bf16", gpu, weights).cache_share
     picks = decide.shortlist(rows)
     q = {f: by[f]["quality"] for f in by}
-    L = max(sweep["lengths"])
+    ppl2 = {f: [smol["ppl"].get(f), gemma["ppl"].get(f)] for f in by}  # perplexity change, SmolLM2 and Gemma
     lo, hi = wilson(CH6_LADDER_PROMPTS // 2, CH6_LADDER_PROMPTS)  # at 50% exact match: the widest interval
     short1 = {f: decide.step_time(model, 1, 4096, f, gpu, weights).seconds for f in ("bf16", "int4")}
     plans = {f: decide.plan(model, gpu, context, concurrency, f, weights_dtype=weights) for f in formats}
@@ -1275,12 +1304,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     grown = {1: B.DEFAULT_RESERVE_GIB, 2: TP2_RESERVE_GIB}
     plans_grown = {f: decide.plan(model, gpu, context, concurrency, f, weights_dtype=weights, reserve_gib=grown)
                    for f in formats}
-    eight = ["fp8_e4m3", "fp8_e4m3_head", "fp8_e4m3_token", "int8", "int8_tensor", "q8_0", "lmdeploy-int8"]
-    noise = [decide._quality(sweep, f)["ppl_increase"] for f in eight if f in sweep["formats"]]
-    # the call: formats on the shortlist that chapter 4 never found worse on Gemma, with Gemma's perplexity
-    # under the bar too; of those, the fewest GPUs, then the lowest cost
-    safe = [f for f in picks if f != "bf16" and f in gemma["held"] and gemma["ppl"].get(f, 1) < PPL_TOLERANCE
-            and plans.get(f)]
+    eight = [f for f in ("fp8_e4m3", "int8", "q8_0") if f in smol["ppl"] and f in gemma["ppl"]]
+    noise = [mf["ppl"][f] for f in eight for mf in (smol, gemma)]  # the 8-bit formats' perplexity changes
+    # the call: formats on the shortlist (held on both models' needles, under the perplexity bar on both, offered
+    # by an engine); of those, the fewest GPUs, then the lowest cost
+    safe = [f for f in picks if f not in decide.REFERENCE_FORMATS and plans.get(f)]
     call = min(safe, key=lambda f: (plans[f]["gpus"], plans[f]["usd_per_million_tokens"])) if safe else None
     big = next(x for x in B.published_vllm_logs() if x["id"] == CH1_LOG)["reserve_gib"]  # chapter 1.5's log
     plans_big = {"bf16": decide.plan(model, gpu, context, concurrency, "bf16", weights_dtype=weights, reserve_gib=big),
@@ -1289,23 +1317,26 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     fewest_gpus = min(p["gpus"] for p in plans.values() if p)
     at_fewest = [f for f, p in plans.items() if p and p["gpus"] == fewest_gpus]
     values = {
-        "plans": plans, "plans_md": _plans_md(plans, gemma, q, by), "mbu": MBU, "ppl_bar": PPL_TOLERANCE,
-        "noise_lo": min(noise), "noise_hi": max(noise), "e5m2_ppl": decide._quality(sweep, "fp8_e5m2")["ppl_increase"],
+        "plans": plans, "plans_md": _plans_md(plans, by), "mbu": MBU, "ppl_bar": PPL_TOLERANCE,
+        "noise_lo": min(noise), "noise_hi": max(noise), "eight_md": names_md(eight), "ppl2": ppl2, "risk": risk,
         "nvfp4_bits": get_format("nvfp4").bits_per_element(128),
-        "plans_grown": plans_grown, "big_reserve_gib": big, "plans_big": plans_big, "fp32_at_L": decide._quality(sweep, "fp32")["exact_match"][max(sweep["lengths"])], "tp2_reserve_gib": TP2_RESERVE_GIB, "reserve_gib": B.DEFAULT_RESERVE_GIB,
+        "plans_grown": plans_grown, "big_reserve_gib": big, "plans_big": plans_big, "tp2_reserve_gib": TP2_RESERVE_GIB, "reserve_gib": B.DEFAULT_RESERVE_GIB,
         "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
         "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
         "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
         "model": model, "gpu": gpu, "context": context, "concurrency": concurrency,
         "bf": bf, "f8": f8, "i4": i4, "step_lo": min(steps), "step_hi": max(steps),
         "share1": share1, "small_gain": one["int4"] / one["bf16"], "gain8": at8["int4"] / at8["bf16"] if at8 else None,
-        "full": full, "picks_md": ", ".join(f"`{p}`" for p in picks), "q": q, "L": L,
+        "full": full, "picks_md": names_md([f for f in picks if f not in decide.REFERENCE_FORMATS]), "q": q,
         "ladder_prompts": CH6_LADDER_PROMPTS, "half_width": 100 * (hi - lo) / 2,
         "int4_over_fp8": i4["max_concurrency"] / f8["max_concurrency"], "short1_speedup": short1["bf16"] / short1["int4"],
-        "short1": short1, "int4_tensor_at_L": q["int4_tensor"]["exact_match"][L], "lengths_text": ", ".join(f"{n:,}" for n in sweep["lengths"][:-1]) + f" and {L:,}",
-        "prompts_per_point": next(iter(per_point)) if len(per_point) == 1 else None,
-        "g": gemma, "g_never_md": names_md([f for f in gemma["held"] if f in CH6_FORMATS or f in ("q8_0", "int4_g16")]),
-        "s_int4": smol["status"]["int4"],
+        "short1": short1, "s": smol, "g": gemma, "sweeps": sweeps,
+        "figure_formats": ["fp32"] + [f for f in formats if q[f]["measured"] and not q[f]["reference"]],
+        "g_never_md": names_md([f for f in gemma["held"] if f in CH6_FORMATS or f in ("q8_0", "int4_g16")]),
+        "s_int4": needle_label(smol, "int4"), "g_int4": needle_label(gemma, "int4"),
+        "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
+        "prompts": smol["prompts"] if smol["prompts_all"] == gemma["prompts_all"] and len(smol["prompts_all"]) == 1 else None,
+        "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
         "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
     }
     claims = {
@@ -1329,16 +1360,19 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim({"vLLM", "SGLang", "TensorRT-LLM"} <= set(f8["engines"]), f8["engines"]),
         "INT4 holds about 1.8x FP8's sequences": _claim(1.6 < values["int4_over_fp8"] < 2.0, values["int4_over_fp8"]),
         "INT4 with one scale per tensor is not on the shortlist": _claim("int4_tensor" not in picks),
-        "INT4 per token costs perplexity that FP8 does not (over 10x)":
-            _claim(q["int4"]["ppl_increase"] > 10 * max(q["fp8_e4m3"]["ppl_increase"], 1e-3),
-                   (q["int4"]["ppl_increase"], q["fp8_e4m3"]["ppl_increase"])),
-        "the longest context SmolLM2 was measured at is below the context asked about": _claim(L < context, (L, context)),
+        "INT4 with a scale and zero per 64 values costs over 10x FP8's perplexity on both models":
+            _claim(all(i > 10 * max(f, 1e-3) for i, f in zip(ppl2["int4"], ppl2["fp8_e4m3"])), (ppl2["int4"], ppl2["fp8_e4m3"])),
+        "the longest context SmolLM2 was measured at is below the context asked about":
+            _claim(smol["longest"] < context, (smol["longest"], context)),
         "chapter 4 measured Gemma up to the context asked about": _claim(values["covers_context"], gemma["longest"]),
         "on Gemma FP8 and INT8 were never worse than full precision": _claim({"fp8_e4m3", "int8"} <= set(gemma["never"])),
         "on Gemma per-token INT4 was already worse at the shortest length": _claim("int4_token" in gemma["short"]),
         "at 50 prompts a server the 95% interval is about ±13 points": _claim(12 < values["half_width"] < 14, (lo, hi)),
         "at one 4k sequence INT4 speeds a step up by less than 10%": _claim(values["short1_speedup"] < 1.1, short1),
-        "chapter 4 ran the same number of prompts at every point": _claim(values["prompts_per_point"] is not None, per_point),
+        "chapter 4 ran the same number of prompts at every point on both models":
+            _claim(values["prompts"] is not None, (smol["prompts_all"], gemma["prompts_all"])),
+        "every format the chapter measures risk for ran in both paired sweeps but two 8-bit variants":
+            _claim(set(f for f in formats if not q[f]["measured"]) <= {"int8_tensor", "lmdeploy-int8"}, values["unmeasured_md"]),
         "every plan holds the whole load": _claim(all(p is None or p["replicas"] * p["per_replica"] >= concurrency
                                                       for p in plans.values()), plans),
         "the call needs fewer GPUs than BF16": _claim(call is not None and plans[call]["gpus"] < plans["bf16"]["gpus"],
@@ -1353,31 +1387,40 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "a reserve that grows with tensor parallelism costs BF16 a GPU but not the call":
             _claim(plans_grown["bf16"]["gpus"] > plans["bf16"]["gpus"] and plans_grown[call]["gpus"] == plans[call]["gpus"],
                    (plans_grown["bf16"], plans_grown[call])),
-        "the quiz's INT4 needs fewer GPUs than the call but was worse on Gemma's needle and over the perplexity bar":
+        "the quiz's INT4 needs fewer GPUs than the call but was worse on Gemma's needle and over the perplexity bar on both models":
             _claim(plans["int4"]["gpus"] < plans[call]["gpus"] and bool(gemma["by"]["int4"]["worse_at"])
-                   and q["int4"]["ppl_increase"] > PPL_TOLERANCE, (plans["int4"], gemma["by"]["int4"]["worse_at"])),
+                   and min(ppl2["int4"]) > PPL_TOLERANCE, (plans["int4"], gemma["by"]["int4"]["worse_at"], ppl2["int4"])),
         "of the quiz's four options BF16 needs the most GPUs":
             _claim(plans["bf16"]["gpus"] > max(plans[f]["gpus"] for f in (call, "int4", "kivi-4")), plans),
-        "KIVI-4 passed every test and fits the fewest GPUs but no engine offers it":
-            _claim("kivi-4" in at_fewest and not by["kivi-4"]["engines"] and "kivi-4" in gemma["never"]),
-        "NVFP4 is in neither of chapter 4's needle sweeps": _claim("nvfp4" not in sweep["formats"] and "nvfp4" not in gemma["by"]),
-        "FP8 E5M2 costs more perplexity than any E4M3 or integer 8-bit format":
-            _claim(decide._quality(sweep, "fp8_e5m2")["ppl_increase"] > max(noise), noise),
+        "KIVI-4 passed every test on both models and fits the fewest GPUs but no engine offers it":
+            _claim("kivi-4" in at_fewest and not by["kivi-4"]["engines"] and "kivi-4" in smol["held"]
+                   and "kivi-4" in gemma["held"] and max(ppl2["kivi-4"]) < PPL_TOLERANCE),
+        "NVFP4 is in neither of chapter 4's needle sweeps": _claim("nvfp4" not in smol["by"] and "nvfp4" not in gemma["by"]),
+        "the call held on both models' needles and stayed under the perplexity bar on both":
+            _claim(call in smol["held"] and call in gemma["held"] and max(ppl2[call]) < PPL_TOLERANCE, (call, ppl2.get(call))),
         "the perplexity bar is several times the spread of the 8-bit formats":
             _claim(PPL_TOLERANCE > 5 * max(abs(min(noise)), abs(max(noise))), noise),
     }
     return Facts(values, claims)
 
 
-def _plans_md(plans: dict, gemma: dict, q: dict, by: dict) -> str:
-    """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk, vLLM flag."""
-    rows = ["| format | GPUs | layout | spare | tokens/s | $ / M tokens | Gemma needle to 32k | perplexity SmolLM2 · Gemma "
+def _plans_md(plans: dict, by: dict) -> str:
+    """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk on each of
+    chapter 4's models (paired needle verdict, perplexity change), the engines that offer it."""
+    models = next((list(r["quality"]["models"]) for r in by.values() if r["quality"].get("models")), [])
+    who = " · ".join(m.split()[0].split("-")[0] for m in models)
+    rows = [f"| format | GPUs | layout | spare | tokens/s | $ / M tokens | needle, paired ({who}) | perplexity ({who}) "
             "| offered by |", "|---|---:|---|---:|---:|---:|---|---|---|"]
     for f, p in plans.items():
-        needle = "reference" if f in ("bf16", "fp32") else gemma["status"].get(f, "not measured")
-        sm = q.get(f, {})
-        ppl = (f"{sm['ppl_increase']:+.1%}" if sm.get("measured") else "—") + " · " + \
-            (f"{gemma['ppl'][f]:+.1%}" if f in gemma["ppl"] else "—")
+        q = by[f]["quality"]
+        if q.get("reference"):
+            needle = ppl = "reference"
+        elif not q["measured"]:
+            needle, ppl = "not in the paired sweeps", "—"
+        else:
+            ms = [q["models"][m] for m in models]
+            needle = " · ".join(x["needle"].split(" (")[0] for x in ms)  # "worse pooled (−6 +0)": counts in 6.4
+            ppl = " · ".join(f"{x['ppl_increase']:+.1%}" if x["ppl_increase"] is not None else "—" for x in ms)
         offered = ", ".join(by[f]["engines"]) or "no engine"
         if p is None:
             rows.append(f"| `{f}` | over 64 | — | — | — | — | {needle} | {ppl} | {offered} |")

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import budget as B
-from kvlab import decide, results
+from kvlab import decide
 
 
 def test_step_time_is_a_roofline():
@@ -22,15 +22,40 @@ def test_step_time_is_a_roofline():
 
 
 def test_options_rows_and_shortlist():
-    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, formats=["bf16", "fp8_e4m3", "int4_tensor"],
-                          sweep=results.load_sweep())
+    risk = {"A": {"held": ["fp8_e4m3", "q4_0"], "needle": {"fp8_e4m3": "held", "q4_0": "held", "int4_tensor": "worse at 1k"},
+                  "ppl": {"fp8_e4m3": 0.01, "q4_0": 0.04, "int4_tensor": 1.2}},
+            "B": {"held": ["fp8_e4m3", "q4_0"], "needle": {"fp8_e4m3": "held", "q4_0": "held", "int4_tensor": "held"},
+                  "ppl": {"fp8_e4m3": 0.01, "q4_0": 0.07, "int4_tensor": 0.01}}}
+    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk=risk,
+                          formats=["bf16", "fp8_e4m3", "q4_0", "int4_tensor", "int8_tensor"])
     by = {r["kv_format"]: r for r in rows}
     assert by["bf16"]["speedup"] == 1.0 and by["fp8_e4m3"]["max_concurrency"] >= 2 * by["bf16"]["max_concurrency"] - 1
     assert "vLLM" in by["fp8_e4m3"]["engines"] and by["int4_tensor"]["engines"] == {}
+    assert by["int8_tensor"]["quality"]["measured"] is False  # in neither sweep
+    # q4_0 held on both but costs 7% perplexity on B (over the 5% bar); int4_tensor no engine offers
     assert decide.shortlist(rows) == ["bf16", "fp8_e4m3"]
-    assert "| `fp8_e4m3` |" in decide.markdown(rows)
+    assert decide.shortlist(rows, max_ppl=0.08) == ["bf16", "fp8_e4m3", "q4_0"]
+    risk["B"]["held"].remove("fp8_e4m3")  # worse on one model: off the list
+    assert decide.shortlist(decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk=risk,
+                                           formats=["bf16", "fp8_e4m3"])) == ["bf16"]
+    md = decide.markdown(rows)
+    assert "needle held (A · B)" in md and "| `q4_0` |" in md and "yes · yes | +4.0% · +7.0% |" in md
+    assert "not measured" in md and "needle" not in decide.markdown(rows, quality=False)
     plain = decide.options("llama-3.1-8b", "H100-80GB", 1024, 1, formats=["bf16"])
-    assert plain[0]["quality"] == {"measured": False} and "not measured" in decide.markdown(plain)
+    assert plain[0]["quality"] == {"measured": False} and "needle" not in decide.markdown(plain)
+
+
+def test_paired_risk_reads_both_shipped_sweeps():
+    """Chapter 6's risk is chapter 4's paired verdicts: held on a model means never worse at any length in either
+    haystack nor pooled, so a format worse only pooled is not held."""
+    from kvlab import facts
+
+    risk = facts.paired_risk()
+    assert list(risk) == ["SmolLM2-135M-Instruct", "Gemma 3 270M"]
+    for r in risk.values():
+        assert set(r["held"]) == {f for f, v in r["needle"].items() if v == "held"} and "fp8_e4m3" in r["held"]
+        assert all(v == "held" or v.startswith("worse") for v in r["needle"].values())
+    assert risk["SmolLM2-135M-Instruct"]["needle"]["q4_0"].startswith("worse pooled")
 
 
 def test_options_refuse_bad_input():
