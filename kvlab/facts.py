@@ -1126,7 +1126,6 @@ CH5_MODEL, CH5_GPU, CH5_SWEEP_GPU = "llama-3.1-8b", "L4", "H100-80GB"
 CH5_FORMATS = ["bf16", "fp8_e4m3", "int4"]
 CH5_POOLS_GIB = [0.5, 1, 2, 4, 8, 16, 32, 64]
 CH5_QUALITY_FORMATS = ["bf16", "fp8_e4m3", "int4_token", "int4", "int4_tensor"]
-CH5_QUALITY_BAR = 0.9  # exact match at least 90% of full precision's, at each length
 CH5_PPL_LIMIT = PPL_TOLERANCE  # the workbook's one perplexity bar (kvlab.results)
 INT4_CACHES = ["int4", "lmdeploy-int4", "q4_0", "hf-int4"]  # the INT4 presets an engine might offer
 
@@ -1141,12 +1140,16 @@ def ch5_requests():
     return rag(**CH5_TRACE)
 
 
-def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
-    """Chapter 5: blocks per format, hit rate vs pool size, cost with and without sharing, quality-adjusted cost."""
+def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
+    """Chapter 5: blocks per format, hit rate vs pool size, cost with and without sharing, quality-adjusted cost.
+
+    The quality is chapter 4's paired sweeps (``sweeps``: model id -> :class:`~kvlab.results.LongSweep`, default
+    both shipped ones): each model's paired needle verdict and perplexity change, as in chapter 6."""
     from . import budget as B
     from . import simulator as S
+    from .decide import REFERENCE_FORMATS
     from .formats import engines_offering
-    from .results import counts, ladder, load_sweep, quality_by_length
+    from .results import LONG_SWEEPS, LongSweep
     from .workloads import cost_split
 
     reqs = requests if requests is not None else ch5_requests()
@@ -1164,18 +1167,20 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
     usd = {n: (b["usd_unshared"] - r["usd_unshared"], b["usd_shared"] - r["usd_shared"]) for n, r in split.items()}
     int4_engines = sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})
 
-    sweep = sweep if sweep is not None else load_sweep()
+    sweeps = sweeps or {m: LongSweep.load(path) for m, path in LONG_SWEEPS.items()}
+    mfs = [_model_facts(sw) for sw in sweeps.values()]
+    risk = paired_risk(model_facts=mfs)
+    short = {m: m.split()[0].split("-")[0] for m in risk}  # "SmolLM2", "Gemma"
     fmts = CH5_QUALITY_FORMATS
-    quality = quality_by_length(sweep, fmts)
-    reference = quality_by_length(sweep, ["fp32"])["fp32"]
-    ppl = {r["kv_format"]: r["ppl_increase"] for r in ladder(sweep, short=512, long_min=max(sweep["lengths"]))}
-    table = S.cost_table(reqs, CH5_MODEL, CH5_GPU, fmts, quality=quality, threshold=CH5_QUALITY_BAR,
-                         reference=reference, perplexity=ppl, max_ppl_increase=CH5_PPL_LIMIT)
+    needle = {f: {short[m]: "reference" if f in REFERENCE_FORMATS else r["needle"][f] for m, r in risk.items()}
+              for f in fmts}
+    ppl = {f: {short[m]: r["ppl"][f] for m, r in risk.items()} for f in fmts if f not in REFERENCE_FORMATS}
+    table = S.cost_table(reqs, CH5_MODEL, CH5_GPU, fmts, needle=needle, perplexity=ppl, max_ppl_increase=CH5_PPL_LIMIT)
     by_fmt = {r["kv_format"]: r for r in table}
-    L = max(sweep["lengths"])
     int4_rows = [f for f in fmts if f.startswith("int4")]
-    both = [f for f in fmts if by_fmt[f]["ppl_ok"] and all(v is not False for v in by_fmt[f]["ok"].values())]
-    prompts = {counts(sweep["formats"][f]["passkey"], length=n)[1] for f in fmts for n in sweep["lengths"]}
+    both = [f for f in fmts if by_fmt[f]["needle_ok"] and by_fmt[f]["ppl_ok"] is not False]
+    prompts = {t for mf in mfs for t in mf["prompts_all"]}
+    smol, gemma = mfs
 
     import inspect
 
@@ -1184,8 +1189,8 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
     trace = {k: p.default for k, p in inspect.signature(rag).parameters.items()} | CH5_TRACE
     gpu = B.get_gpu(CH5_GPU)
     values = {
-        "requests": reqs, "quality": quality, "reference": reference, "formats": fmts,
-        "quality_bar": CH5_QUALITY_BAR, "ppl_limit": CH5_PPL_LIMIT, "trace": trace, "model": CH5_MODEL,
+        "requests": reqs, "needle": needle, "formats": fmts, "s": smol, "g": gemma,
+        "ppl_limit": CH5_PPL_LIMIT, "trace": trace, "model": CH5_MODEL,
         "gpu": CH5_GPU, "gpu_gib": gpu.memory_bytes / B.GIB,
         "free_gib": B.fit(CH5_MODEL, CH5_GPU, "bf16").free_for_cache_per_gpu / gib,
         "mfu": S.CostModel.mfu, "mbu": S.CostModel.mbu, "int4_pool_gib": 16 / 4.5,
@@ -1195,9 +1200,11 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
         "fp8_blocks_x": blocks["fp8_e4m3"] / blocks["bf16"], "int4_blocks_x": blocks["int4"] / blocks["bf16"],
         "b": b, "f8": f8, "i4": i4, "gain_f8": 100 * gain["fp8_e4m3"], "gain_i4": 100 * gain["int4"],
         "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_engines),
-        "ppl": ppl, "L": L, "int4_token_at_L": quality["int4_token"][L], "bar_at_L": CH5_QUALITY_BAR * reference[L],
-        "min_int4_ppl": min(ppl[f] for f in int4_rows), "prompts_per_cell": next(iter(prompts)) if len(prompts) == 1 else None,
-        "prompt_points": 100 / next(iter(prompts)),
+        "ppl": ppl, "int4_labels": {f: needle[f] for f in int4_rows},
+        # to admit an INT4 row on perplexity alone, the limit must pass its larger increase of the two models
+        "min_int4_ppl": min(max(ppl[f].values()) for f in int4_rows),
+        "min_int4_ppl_at": min(int4_rows, key=lambda f: max(ppl[f].values())),
+        "prompts_per_cell": next(iter(prompts)) if len(prompts) == 1 else None,
         # the seed's "quality-adjusted cost": the price of a million tokens at the quality you accept, i.e. the
         # cheapest row that passes both columns (the cheapest row of all may not)
         "qa": min(both, key=lambda f: by_fmt[f]["usd_per_m_tokens"]) if both else None,
@@ -1234,21 +1241,20 @@ def prefix_cache(requests=None, sweep: dict | None = None) -> Facts:
             _claim(all(abs(dearer[n]["saving_shared"] - split[n]["saving_shared"]) < 1e-9 for n in split)),
         "the cheapest rows are the small formats":
             _claim(by_fmt["int4_tensor"]["usd_per_m_tokens"] < by_fmt["bf16"]["usd_per_m_tokens"]),
-        "INT4 per tensor fails the exact-match bar at every length": _claim(not any(by_fmt["int4_tensor"]["ok"].values())),
-        "BF16 passes the exact-match bar at every length": _claim(all(by_fmt["bf16"]["ok"].values())),
+        "INT4 per tensor was worse than full precision on both models' needles from the shortest length":
+            _claim(all(v.startswith("worse at " + mf["shortest_k"]) for v, mf in zip(needle["int4_tensor"].values(), mfs)),
+                   needle["int4_tensor"]),
         "chapter 4 scores the same number of prompts in every cell": _claim(values["prompts_per_cell"] is not None,
                                                                            prompts),
-        "at the perplexity limit BF16 and FP8 pass and every INT4 row fails":
-            _claim([by_fmt[f]["ppl_ok"] for f in fmts] == [True, True, False, False, False]),
-        "perplexity ranks the INT4 rows int4 < int4_token < int4_tensor":
-            _claim(ppl["int4"] < ppl["int4_token"] < ppl["int4_tensor"], ppl),
+        "at the perplexity limit FP8 passes on both models and every INT4 row fails on both":
+            _claim(by_fmt["fp8_e4m3"]["ppl_ok"] and all(min(ppl[f].values()) > CH5_PPL_LIMIT for f in int4_rows), ppl),
+        "perplexity ranks the INT4 rows int4 < int4_token < int4_tensor on both models":
+            _claim(all(ppl["int4"][m] < ppl["int4_token"][m] < ppl["int4_tensor"][m] for m in short.values()), ppl),
         "only BF16 and FP8 pass both columns at the default limits": _claim(both == ["bf16", "fp8_e4m3"], both),
-        "int4 and int4_token both pass the exact-match bar at every length":
-            _claim(all(by_fmt["int4"]["ok"].values()) and all(by_fmt["int4_token"]["ok"].values())),
-        "int4_token sits on the bar at the longest length: one prompt fewer fails it":
-            _claim(values["int4_token_at_L"] >= values["bar_at_L"] - 1e-12
-                   > values["int4_token_at_L"] - 1 / values["prompts_per_cell"]),
-        "admitting any INT4 row needs a perplexity limit of 10% or more": _claim(values["min_int4_ppl"] > 0.10),
+        "no INT4 row held on both models' needles": _claim(not any(by_fmt[f]["needle_ok"] for f in int4_rows),
+                                                          values["int4_labels"]),
+        "FP8 held on both models' needles": _claim(by_fmt["fp8_e4m3"]["needle_ok"], needle["fp8_e4m3"]),
+        "admitting any INT4 row on perplexity alone needs a limit of 10% or more": _claim(values["min_int4_ppl"] > 0.10),
         "the quality-adjusted price is FP8's, below BF16's and above the cheapest row's":
             _claim(values["qa"] == "fp8_e4m3" and values["cheapest_usd"] < values["qa_usd"] < values["bf16_usd"],
                    (values["qa"], values["qa_usd"], values["cheapest_usd"])),

@@ -410,7 +410,8 @@ def hit_rate_vs_pool(requests: list[Request], model, gpu, formats, pool_gib: lis
 def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd: float | None = None, weights_dtype="bf16",
                block_size=16, pool_bytes: int | None = None, quality: dict[str, float] | None = None,
                threshold: float = 0.9, reference: dict | float | None = None,
-               perplexity: dict[str, float] | None = None, max_ppl_increase: float = 0.05) -> list[dict]:
+               perplexity: dict | None = None, max_ppl_increase: float = 0.05,
+               needle: dict[str, dict[str, str]] | None = None) -> list[dict]:
     """One row per format: hit rate, recomputed tokens, concurrency, throughput, $ per million output tokens.
 
     ``gpu_hour_usd`` defaults to the GPU's listed price (:func:`kvlab.budget.hourly_price`).
@@ -422,18 +423,31 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd: fl
     passes when it reaches ``threshold`` times the reference's, so the model's own misses are
     not charged to the format.
 
-    ``perplexity`` maps a format to its relative perplexity increase over full precision
-    (chapter 4's ladder, ``ppl_increase``); increases above ``max_ppl_increase`` are flagged
-    ``ppl_ok=False``. Formats it does not name get ``None`` in both columns.
+    ``perplexity`` maps a format to its relative perplexity increase over full precision, or to
+    ``{model: increase}`` for several models; increases above ``max_ppl_increase`` (on any model) are
+    flagged ``ppl_ok=False``. Formats it does not name get ``None`` in both columns.
+
+    ``needle`` maps a format to ``{model: verdict}``, chapter 4's paired needle verdicts
+    (:func:`kvlab.facts.paired_risk`): "held", "reference" (full precision), or the test it failed;
+    ``needle_ok`` is true when every model says "held" or "reference".
     """
     if not 0 <= threshold <= 1:
         raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
     if isinstance(max_ppl_increase, bool) or not isinstance(max_ppl_increase, (int, float)) \
             or not 0 <= max_ppl_increase < math.inf:
         raise ValueError(f"max_ppl_increase must be a finite fraction >= 0, got {max_ppl_increase!r}")
-    bad = {f: v for f, v in (perplexity or {}).items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
+    def finite(v):
+        return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+    if perplexity is not None and not isinstance(perplexity, dict):
+        raise TypeError(f"perplexity must be a dict, got {type(perplexity).__name__}")
+    bad = {f: v for f, v in (perplexity or {}).items()
+           if not (finite(v) or (isinstance(v, dict) and v and all(finite(x) for x in v.values())))}
     if bad:
-        raise ValueError(f"perplexity increases must be finite numbers, got {bad}")
+        raise ValueError(f"perplexity increases must be finite numbers (or {{model: number}}), got {bad}")
+    if needle is not None and not (isinstance(needle, dict) and all(
+            isinstance(v, dict) and v and all(isinstance(x, str) for x in v.values()) for v in needle.values())):
+        raise ValueError("needle must map each format to {model: verdict text}, e.g. {'int4': {'SmolLM2': 'held'}}")
     _check_scores("quality", quality)
     _check_scores("reference", reference if isinstance(reference, dict) or reference is None else {"": reference})
 
@@ -454,11 +468,14 @@ def cost_table(requests: list[Request], model, gpu, formats, *, gpu_hour_usd: fl
         else:
             ok = None if q is None else q >= bar() - 1e-12
         ppl = None if perplexity is None else perplexity.get(str(fmt))
+        ppl_all = list(ppl.values()) if isinstance(ppl, dict) else [ppl]
+        nd = None if needle is None else needle.get(str(fmt))
         rows.append({"kv_format": str(fmt), "num_blocks": r.num_blocks, "hit_rate": s["hit_rate"],
                      "recomputed_tokens": s["prefill_tokens_computed"], "peak_concurrency": s["peak_concurrency"],
                      "throughput_tok_s": s["throughput_tok_s"], "usd_per_m_tokens": r.cost_per_million(gpu_hour_usd),
                      "quality": q, "ok": ok, "ppl_increase": ppl,
-                     "ppl_ok": None if ppl is None else ppl <= max_ppl_increase + 1e-12})
+                     "ppl_ok": None if ppl is None else all(x <= max_ppl_increase + 1e-12 for x in ppl_all),
+                     "ppl_limit": max_ppl_increase, "needle": nd, "needle_ok": None if nd is None else all(v in ("held", "reference") for v in nd.values())})
     return rows
 
 
@@ -483,6 +500,8 @@ def cost_table_html(rows: list[dict]) -> str:
     with perplexity increases there is a perplexity column, red above its limit.
     """
     red = " style='color:#b00;font-weight:bold'"
+    if any(r.get("needle") for r in rows):
+        return _needle_table_html(rows, red)
     with_ppl = any(r.get("ppl_increase") is not None for r in rows)
 
     def ppl(r):
@@ -520,3 +539,28 @@ def cost_table_html(rows: list[dict]) -> str:
         for r in rows)
     return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + ppl_head
             + "<th>quality</th><th></th></tr>" + cells + "</table>")
+
+
+def _needle_table_html(rows: list[dict], red: str) -> str:
+    """:func:`cost_table_html` with chapter 4's paired needle verdicts: a needle and a perplexity column per model."""
+    models = next(list(r["needle"]) for r in rows if r.get("needle"))
+
+    def ppl(r, m):
+        v = r.get("ppl_increase")
+        v = v.get(m) if isinstance(v, dict) else v
+        if v is None:
+            return "<td>—</td>"
+        return f"<td{red if v > r['ppl_limit'] + 1e-12 else ''}>{v:+.1%}</td>"
+
+    def nd(r, m):
+        v = (r.get("needle") or {}).get(m)
+        if v is None:
+            return "<td>not measured</td>"
+        return f"<td{'' if v in ('held', 'reference') else red}>{v}</td>"
+
+    head = "".join(f"<th>needle, {m}</th><th>perplexity, {m}</th>" for m in models)
+    body = "".join(f"<tr><td>{r['kv_format']}</td><td>{r['hit_rate']:.1%}</td><td>${r['usd_per_m_tokens']:.2f}</td>"
+                   + "".join(nd(r, m) + ppl(r, m) for m in models) + "</tr>" for r in rows)
+    return ("<table><tr><th>format</th><th>hit rate</th><th>$/M tokens</th>" + head + "</tr>" + body + "</table>"
+            "<p>Needle: chapter 4's paired verdict against full precision on identical prompts (held, or the test it "
+            "failed); perplexity: increase over full precision. Red: not held, or above the perplexity limit.</p>")

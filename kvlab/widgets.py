@@ -369,32 +369,36 @@ class SweepExplorer(_Panel):
 class CostQualityTable(_Panel):
     """Chapter 5's decision table: cost per format from the simulator, beside chapter 4's measured quality.
 
-    A slider sets the minimum passkey exact match a format must reach at each context length;
-    cells under it turn red. ``quality`` is :func:`kvlab.results.quality_by_length`'s mapping.
-    With ``perplexity`` ({format: relative increase}, chapter 4's ladder) a second slider sets the
-    largest perplexity increase allowed.
+    With ``needle`` (``{format: {model: paired verdict}}``, :func:`kvlab.facts.paired_risk`) each model's paired
+    needle verdict is shown, red where the format did not hold. With ``quality`` (per-length scores,
+    :func:`kvlab.results.quality_by_length`) a slider sets the minimum passkey exact match a format must reach at
+    each context length instead. With ``perplexity`` ({format: relative increase}, or {format: {model: increase}})
+    a slider sets the largest perplexity increase allowed.
     """
 
-    def __init__(self, requests, model, gpu, formats, quality: dict, threshold: float = 0.9, gpu_hour_usd=None,
-                 reference: dict | float | None = None, perplexity: dict[str, float] | None = None,
-                 max_ppl_increase: float = PPL_TOLERANCE):
+    def __init__(self, requests, model, gpu, formats, quality: dict | None = None, threshold: float = 0.9,
+                 gpu_hour_usd=None, reference: dict | float | None = None, perplexity: dict | None = None,
+                 max_ppl_increase: float = PPL_TOLERANCE, needle: dict | None = None):
         from .simulator import cost_table
 
-        missing = [f for f in formats if all(v is None for v in quality.get(str(f), {}).values())]
+        if quality is None and needle is None:
+            raise ValueError("give the measured quality: needle= (chapter 4's paired verdicts) or quality= (scores)")
+        missing = [f for f in formats if (needle is not None and str(f) not in needle) or (
+            quality is not None and all(v is None for v in quality.get(str(f), {}).values()))]
         if missing:
-            raise ValueError(f"no measured quality for {missing}; rerun scripts/sweep_evals.py with these formats")
+            raise ValueError(f"no measured quality for {missing}; they are not in chapter 4's sweeps")
         if not 0 <= threshold <= 1:
             raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
         self._rows = lambda t, p: cost_table(requests, model, gpu, formats, quality=quality, threshold=t,
                                              gpu_hour_usd=gpu_hour_usd, reference=reference, perplexity=perplexity,
-                                             max_ppl_increase=p)
+                                             max_ppl_increase=p, needle=needle)
         self.relative = reference is not None
         style = {"description_width": "initial"}
         self.threshold = w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05, style=style,
                                        description="min exact match" + (" (x full precision)" if self.relative else ""))
         self.max_ppl = w.FloatSlider(value=max_ppl_increase, min=0.0, max=0.5, step=0.01, readout_format=".0%",
                                      description="max perplexity increase", style=style)
-        self.controls = [self.threshold] + ([self.max_ppl] if perplexity else [])
+        self.controls = ([self.threshold] if quality is not None else []) + ([self.max_ppl] if perplexity else [])
         self.table = w.HTML()
         for c in self.controls:
             c.observe(self.update, names="value")

@@ -314,3 +314,24 @@ def test_cost_table_perplexity_column():
                        ({"quality": {"int4": 0.9}, "reference": float("nan")}, "reference")]:
         with pytest.raises(ValueError, match=match):
             S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], **bad)
+
+
+def test_cost_table_with_paired_needle_verdicts_per_model():
+    """Chapter 5's quality columns: each model's paired needle verdict (held or the test failed) and perplexity
+    change; a row passes the needle only if every model held, and perplexity only if every model is under the limit."""
+    reqs = S.few_shot(n=20)
+    needle = {"bf16": {"A": "reference", "B": "reference"}, "fp8_e4m3": {"A": "held", "B": "held"},
+              "int4": {"A": "held", "B": "worse at 4k"}}
+    ppl = {"fp8_e4m3": {"A": 0.01, "B": 0.02}, "int4": {"A": 0.03, "B": 0.2}}
+    rows = {r["kv_format"]: r for r in S.cost_table(reqs, "llama-3.1-8b", "L4", list(needle), needle=needle,
+                                                      perplexity=ppl, max_ppl_increase=0.05)}
+    assert [rows[f]["needle_ok"] for f in needle] == [True, True, False]
+    assert [rows[f]["ppl_ok"] for f in needle] == [None, True, False]  # int4 is over the limit on B only
+    html = S.cost_table_html(list(rows.values()))
+    assert "<th>needle, A</th><th>perplexity, A</th><th>needle, B</th>" in html
+    assert html.count("color:#b00") == 2 and "worse at 4k</td>" in html and "+20.0%" in html  # B's needle and ppl
+    for bad in [{"int4": "held"}, {"int4": {}}, {"int4": {"A": 1}}, ["held"]]:
+        with pytest.raises(ValueError, match="needle must map each format"):
+            S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], needle=bad)
+    with pytest.raises(ValueError, match="perplexity increases must be finite"):
+        S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], perplexity={"int4": {"A": float("inf")}})

@@ -130,3 +130,19 @@ def test_budget_explorer_names_the_engine_flag():
     assert "--kv-cache-dtype fp8" in e.status.value
     e.kv_format.value = "int4"
     assert "no serving engine" in e.status.value
+
+
+def test_cost_quality_table_with_paired_verdicts_has_only_the_perplexity_slider():
+    from kvlab import serving as S
+    from kvlab.widgets import CostQualityTable
+
+    needle = {"bf16": {"A": "reference"}, "int4": {"A": "held"}}
+    t = CostQualityTable(S.few_shot(n=20), "llama-3.1-8b", "L4", ["bf16", "int4"], needle=needle,
+                         perplexity={"int4": {"A": 0.12}})
+    assert t.controls == [t.max_ppl] and "needle, A" in t.table.value and "color:#b00" in t.table.value
+    t.max_ppl.value = 0.2
+    assert "color:#b00" not in t.table.value and all(r["ppl_ok"] is not False for r in t.rows)
+    with pytest.raises(ValueError, match="no measured quality for \\['q4_0'\\]"):
+        CostQualityTable(S.few_shot(n=20), "llama-3.1-8b", "L4", ["q4_0"], needle=needle)
+    with pytest.raises(ValueError, match="give the measured quality"):
+        CostQualityTable(S.few_shot(n=20), "llama-3.1-8b", "L4", ["int4"])
