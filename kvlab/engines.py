@@ -147,7 +147,7 @@ LLAMA_CACHE_TYPES = ("f16", "q8_0", "q4_0")  # kvlab presets: fp16, q8_0, q4_0
 
 def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 2048), depths=(0.0, 0.5, 1.0),
                      trials: int = 5, seed: int = 0, threads: int | None = None, progress: bool = False,
-                     done: dict | None = None, on_row=None) -> dict:
+                     done: dict | None = None, on_row=None, swa_full: bool | None = None) -> dict:
     """Passkey exact match with llama.cpp (``llama-cpp-python``) running the GGUF file itself.
 
     The prompts are the ones chapter 4's sweep used (:func:`kvlab.tasks.sweep_prompts`), fed as token
@@ -160,6 +160,13 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     ``done`` is an earlier return value (same seed, depths and trials): its rows are kept and their cells not
     run again, so a long run resumes. ``on_row(result)`` is called with the whole result so far after every
     new row (a script writes it to disk there, so hours of work survive an interruption).
+
+    ``swa_full=False`` gives sliding-window layers (Gemma 3) a cache of their window only, as llama.cpp's own
+    tools do by default; llama-cpp-python's default (``None``: the library's, a full-size cache) makes those layers
+    attend over the whole cache under a mask, which costs quadratic time at 32k tokens on a CPU. With the window
+    cache each prompt is prefilled from its first token (llama-cpp-python would otherwise reuse the previous
+    prompt's shared prefix, whose early tokens that cache no longer holds, and answer wrongly); each new row
+    records the setting.
 
     What cannot agree bit for bit with kvlab's emulation: llama.cpp runs the file's own Q4_1 weights
     (kvlab dequantizes them to float32 once), and its CPU dot products quantize activations too. Compare
@@ -194,7 +201,8 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
             continue
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(n for n, _ in cells) + 64, n_batch=512,
                               type_k=types[ct], type_v=types[ct], flash_attn=True, n_threads=threads or os.cpu_count(),
-                              logits_all=False, verbose=False, seed=seed)
+                              logits_all=False, verbose=False, seed=seed,
+                              **({} if swa_full is None else {"swa_full": swa_full}))
         res = out.setdefault(ct, {"rows": [], "seconds": 0.0})
         res["rows"] = [r for r in res["rows"] if r["trials"] == trials]  # rows of another trial count: run again
         for n, d in tqdm(cells, desc=f"llama.cpp {ct}", disable=not progress, leave=False):
@@ -202,13 +210,15 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
             outcomes = []
             for ex in sweep_prompts(tasks.passkey, tok, n, d, trials, seed):
                 got = []
+                if swa_full is False:  # a window-sized cache cannot serve the next prompt's shared prefix: no reuse
+                    llm.reset()
                 for t in llm.generate(ex.input_ids, top_k=1, temp=0.0, reset=True):
                     got.append(t)
                     if len(got) == len(ex.answer_ids):
                         break
                 outcomes.append(got == ex.answer_ids)
             res["rows"].append({"length": n, "depth": d, "trials": trials, "correct": sum(outcomes),
-                                "outcomes": outcomes})
+                                "outcomes": outcomes, **({} if swa_full is None else {"swa_full": swa_full})})
             res["rows"].sort(key=lambda r: (r["length"], r["depth"]))
             res["seconds"] = round(res["seconds"] + time.time() - t0, 1)
             if on_row is not None:

@@ -856,6 +856,21 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             ("the paired test tells the two modes apart for " + names_md([f.split()[0] for f in worse])
              if worse else "the paired test cannot tell the two modes apart for any format")
             + (f" (prompts the quantized prefill lost and gained: {shown})" if shown else ""))
+        # worse than full precision with the prompt reading the cache, not worse there with it in full precision
+        m["cached_new"] = [key for key in m["cached_vs_full"] if m["cached"]["c"][key]["verdict"] == "worse"
+                           and m["c"].get(key, {}).get("verdict") != "worse"]
+        m["cached_brief_md"] = "" if not modes else (
+            f"On {m['name']} at {m['cached']['lengths_text']}, "
+            + ("; ".join(f"`{key.split()[0]}` became worse than full precision with the prompt reading the cache "
+                         f"(−{m['cached']['c'][key]['lost']} +{m['cached']['c'][key]['gained']}), which it was not with "
+                         "the prompt in full precision" for key in m["cached_new"])
+               if m["cached_new"] else
+               "the formats worse than full precision in this mode ("
+               + (names_md([k.split()[0] for k in m["cached_vs_full"] if m["cached"]["c"][k]["verdict"] == "worse"])
+                  or "none") + ") were already worse with the prompt in full precision")
+            + ("; against each format's own full-prefill answers, the paired test tells the two modes apart for "
+               + names_md([f.split()[0] for f in worse]) if worse
+               else "; against each format's own full-prefill answers, the two modes are not distinguishable"))
     # formats the single-needle stages never found worse that the two-key rung did
     values["multikey_new"] = [(values[k]["name"], f) for k in keys for f in values[k]["multikey"]["by"]
                               if values[k]["multikey"]["by"][f]["worse_at"] and f in values[k]["held"]]
@@ -884,6 +899,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             f"+{S['cached']['c'][key]['gained']}, {S['cached']['c'][key]['verdict']})"
             for key, v in S["cached_vs_full"].items())
         + f". Set against its own full-prefill answers on the same prompts, {S['cached_modes_md']}.")
+    values["cached_brief_md"] = ". ".join(values[k]["cached_brief_md"] for k in keys if values[k].get("cached_brief_md")) \
+        or "Not run yet"
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
     values["s_cached_md"] = ((f"{S['cached']['lengths_text']} (paired) and " if S is not None and S["cached"]["measured"]
                               else "") + f"{values['pf_length']:,} tokens (unpaired)")
@@ -1098,6 +1115,11 @@ def llamacpp_gemma(sweep, path=None) -> dict:
                 agree.append((ct, n, e.verdict == k.verdict, e, k))
     same = all(g for _, _, g, _, _ in agree)
     pending = llamacpp_pending(doc)
+    window = sorted({r["length"] for v in doc["cache_types"].values() for r in v["rows"] if r.get("swa_full") is False})
+    swa_md = "" if not window else (
+        f" At {', '.join(_k(n) for n in window)} the sliding-window layers kept a cache of their window only "
+        "(`swa_full=False`, each prompt prefilled from its first token: quadratic time only in the 3 global layers); "
+        "elsewhere llama-cpp-python's default full-size cache, with the shared prefix of consecutive prompts reused.")
     running = "; ".join(f"{ct} at {_k(n)}: {k} of {len(doc['depths']) * doc['trials']} prompts"
                         for ct, by_n in pending.items() for n, k in by_n.items())
     summary = (f"llama.cpp {doc.get('versions', {}).get('llama-cpp-python', '?')} (llama-cpp-python) ran on "
@@ -1105,7 +1127,7 @@ def llamacpp_gemma(sweep, path=None) -> dict:
                + ("Against its own full-precision cache, each quantized cache got the same paired verdict in llama.cpp "
                   "as in kvlab: " if same else "The paired verdicts differ between the two: ")
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
-                           f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + "."
+                           f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + "." + swa_md
                + (f" Not finished yet, so not in the table (`python scripts/compare_engines.py --llama-cpp --model "
                   f"gemma3-270m --lengths {' '.join(str(n) for n in doc['lengths'])}` resumes it): {running}."
                   if pending else ""))

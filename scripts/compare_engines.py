@@ -29,7 +29,7 @@ versions, machine and run time; chapter 4 reads it.
     python scripts/compare_engines.py --quanto [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --hqq [--lengths 512 1024 2048] [--trials 5]
     python scripts/compare_engines.py --llama-cpp [--lengths 512 2048] [--trials 5]   # 8192 adds ~45 min on 2 cores
-    python scripts/compare_engines.py --llama-cpp --model gemma3-270m [--lengths 8192 32768] [--cache-types f16 q4_0]
+    python scripts/compare_engines.py --llama-cpp --model gemma3-270m [--lengths 8192 32768] [--cache-types f16 q4_0] [--swa-cache window]
     python scripts/compare_engines.py --llama-server [--lengths 512 2048] [--trials 3]
 """
 
@@ -70,6 +70,9 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--cache-types", nargs="+", choices=list(engines.LLAMA_CACHE_TYPES), default=None,
                    help="llama.cpp: which K/V cache types run, in this order (default: all)")
+    p.add_argument("--swa-cache", choices=["full", "window"], default=None,
+                   help="llama.cpp: a sliding-window layer's cache holds the whole context ('full', llama-cpp-python's "
+                        "default) or its window only ('window': much faster at 32k on a CPU, same answers in principle)")
     p.add_argument("--quick", action="store_true", help="llama.cpp: the first case only (a smoke test)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -78,6 +81,8 @@ def main(argv=None) -> dict:
     gemma = args.model == "gemma3-270m"
     if gemma and not args.llama_cpp:
         p.error("--model gemma3-270m is for --llama-cpp")
+    if args.swa_cache and not args.llama_cpp:
+        p.error("--swa-cache is for --llama-cpp")
     if args.cache_types and not args.llama_cpp:
         p.error("--cache-types is for --llama-cpp")
     if args.quick and not args.llama_cpp:
@@ -156,8 +161,9 @@ def llama(args) -> dict:
         if args.out is not None:
             write_json(args.out, doc)
 
+    swa = None if args.swa_cache is None else args.swa_cache == "full"
     res = engines.llamacpp_passkey(gemma3_gguf() if gemma else smollm2_gguf(), tok, progress=not args.quick,
-                                   done=doc["cache_types"], on_row=save, **kw)
+                                   done=doc["cache_types"], on_row=save, swa_full=swa, **kw)
     save(res)
     print(json.dumps({ct: sum(r["correct"] for r in v["rows"]) for ct, v in res.items()}))
     return doc

@@ -153,6 +153,9 @@ def test_llamacpp_run_resumes_and_reports_every_row(monkeypatch, shipped):
             seen.append(len(ids))
             yield from [7, 7, 7, 7, 7, 7, 7, 7]
 
+        def reset(self):
+            seen.append("reset")
+
     fake = types.SimpleNamespace(Llama=Llama, GGML_TYPE_F16=1, GGML_TYPE_Q8_0=8, GGML_TYPE_Q4_0=2)
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     saved = []
@@ -167,5 +170,9 @@ def test_llamacpp_run_resumes_and_reports_every_row(monkeypatch, shipped):
     seen.clear()
     engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done=again, **{**kw, "trials": 3})
     assert len(seen) == 12  # rows of another trial count are run again
+    seen.clear()  # a window-sized sliding-window cache: no prefix reuse between prompts, and the rows say so
+    small = engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), swa_full=False, **{**kw, "cache_types": ("f16",)})
+    assert seen == ["reset", 64] * 4 and all(r["swa_full"] is False for r in small["f16"]["rows"])
+    assert all("swa_full" not in r for r in first["f16"]["rows"])
     with pytest.raises(ValueError, match="done must be an earlier result"):
         engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done={"f16": []}, **kw)
