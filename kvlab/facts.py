@@ -273,10 +273,11 @@ def _model_facts(sweep) -> dict:
     pooled = {n: sweep.paired_pooled(SINGLE_NEEDLE, n) for n in f["by"]}
     # never worse on the needle: at no length in either haystack, nor pooled (the takeaways' "held")
     held = [n for n in f["never"] if n not in prose_worse and pooled[n].verdict != "worse"]
+    # never worse at one length in either haystack, yet worse once every length is pooled: a small loss
+    pooled_only = [n for n in f["never"] if n not in prose_worse and pooled[n].verdict == "worse"]
     intervals = {n: sweep.perplexity_interval(n) for n in ppl}  # 90% bootstrap over the passages read
-    for n in f["never"]:  # never worse at one length in either haystack, yet worse pooled: say both
-        if n not in prose_worse and pooled[n].verdict == "worse":
-            f["status"][n] = f"never worse at one length, worse pooled (−{pooled[n].lost} +{pooled[n].gained})"
+    for n in pooled_only:  # never worse at one length in either haystack, yet worse pooled: say both
+        f["status"][n] = f"never worse at one length, worse pooled (−{pooled[n].lost} +{pooled[n].gained})"
     return f | {
         "name": CH4_NAMES.get(sweep.model, sweep.model), "model": sweep.model,
         "prompts": min(prompts), "prompts_all": prompts,
@@ -291,7 +292,7 @@ def _model_facts(sweep) -> dict:
         "orders": _lists(sweep, "orders"),
         **{f"{st}_pooled": {f: sweep.paired_pooled(st, f) for f in sweep.formats if f != "fp32"}
            if sweep.lengths(st) else {} for st in ("multikey", "orders")},
-        "pooled": pooled, "held": held,
+        "pooled": pooled, "held": held, "pooled_only": pooled_only,
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
                                         "paired": sweep.paired("cached", f, n, f, "filler")}
@@ -452,13 +453,13 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
     option that stores exactly that format (``kvlab formats --engines``; "none" = a format only kvlab runs)."""
     from .formats import engine_options, engine_table
 
-    notes = engine_table()["notes"]
+    table = engine_table()
+    notes, presets = table["notes"], table["presets"]  # a mitigation (``+rotate``) is no engine's preset: no flag
     head = "| format | " + " | ".join(f"{m['name']}" for m in models) + " | how an engine selects it |"
     out = [head, "|---" * (2 + len(models)) + "|"]
     for f in fmts:
         if f == "fp32":
             continue
-        presets = engine_table()["presets"]  # a mitigation (``+rotate``) is no engine's preset: no flag
         flags = [f"{e}: `{flag.split(' (')[0]}`" for e, flag in engine_options(f).items() if flag] if f in presets else []
 
         def verdicts(m, f=f):
@@ -731,11 +732,14 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                "undetectable": fewest_prompts_to_detect() - 1}
     values["formats_md"] = _formats_md(values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:]
                                        + list(CH4_MITIGATIONS))
-    values["on_bar_md"] = "; ".join(f"`{f}` on {values[k]['name']}" for k in keys for f in values[k]["ppl_on_bar"]) or (
-        "no format here: the nearest, " + min(((abs(values[k]["perplexity_lo"][f] - PPL_TOLERANCE), f"`{f}` on "
-                                                f"{values[k]['name']}, has {values[k]['perplexity_lo'][f]:+.1%} at the "
-                                                "interval's low end") for k in keys for f in values[k]["perplexity_lo"]
-                                               if values[k]["perplexity_lo"][f] > PPL_TOLERANCE), default=(0, "none"))[1])
+    on_bar = [f"`{f}` on {values[k]['name']}" for k in keys for f in values[k]["ppl_on_bar"]]
+    # none on the bar: name the format whose interval's low end comes nearest to it from above
+    above = [(lo - PPL_TOLERANCE, f, values[k]["name"], lo) for k in keys
+             for f, lo in values[k]["perplexity_lo"].items() if lo > PPL_TOLERANCE]
+    nearest = min(above, default=None)
+    values["on_bar_md"] = "; ".join(on_bar) or (
+        f"no format here: the nearest, `{nearest[1]}` on {nearest[2]}, has {nearest[3]:+.1%} at the interval's low end"
+        if nearest else "no format here")
     values["flags_md"] = _flags_md([values[k] for k in keys], list(dict.fromkeys(
         values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:] + ["int4_g16", "int4_token+rotate"])))
     for model in sweeps:
@@ -995,8 +999,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["never_both"] = [f for f in never_one if all(f in m["held"] for m in both)]
     values["never_both_md"] = names_md(values["never_both"])
     # never worse at any one length in either haystack, yet worse once every length is pooled: a small loss
-    values["pooled_only"] = {m["name"]: [f for f in m["never"] if not m["prose"]["by"].get(f, {}).get("worse_at")
-                                         and m["pooled"][f].verdict == "worse"] for m in both}
+    values["pooled_only"] = {m["name"]: m["pooled_only"] for m in both}
     values["pooled_only_md"] = "; ".join(
         f"on {m['name']}, " + names_md(fs, notes={f: f"−{m['pooled'][f].lost} +{m['pooled'][f].gained} over "
                                                      f"{m['pooled'][f].prompts} prompts, p = {m['pooled'][f].p:.3f}"
@@ -1011,11 +1014,13 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     def short(m):
         return m["name"].split()[0].split("-")[0]
 
+    n_pooled = {short(m): {m["pooled"][f].prompts for f in values["never_both"]} for m in both}
+    uniform = all(len(v) == 1 for v in n_pooled.values())  # every format pooled the same prompts on a model
     values["never_both_pooled_md"] = "; ".join(
-        f"`{f}` " + ", ".join(f"{m['pooled'][f].lost}/{m['pooled'][f].gained} on {short(m)}" for m in both)
-        for f in values["never_both"]) + " (of " + ", ".join(
-        f"{m['pooled'][values['never_both'][0]].prompts} prompts on {short(m)}" for m in both
-        if values["never_both"]) + ")"
+        f"`{f}` " + ", ".join(f"{m['pooled'][f].lost}/{m['pooled'][f].gained}"
+                              + ("" if uniform else f" of {m['pooled'][f].prompts}") + f" on {short(m)}" for m in both)
+        for f in values["never_both"]) + ("" if not uniform or not values["never_both"] else " (of " + ", ".join(
+            f"{next(iter(v))} prompts on {m}" for m, v in n_pooled.items()) + ")")
     # ... and turned into a bound: the share of prompts such a format could lose, one-sided 95% (exact)
     from .results import exact_upper
 
