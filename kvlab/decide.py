@@ -217,7 +217,7 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
     (chapter 4's paired needle verdict and perplexity change, one value per model, in the models' order)."""
     models = next((list(r["quality"]["models"]) for r in rows if r["quality"].get("models")), [])
     quality = quality and bool(models)
-    head = "| format | bits | cache / GPU | fits one GPU | most sequences | step | tokens/s | vs first |"
+    head = "| format | bits | whole load's cache | load fits one GPU | most sequences | step | tokens/s | vs first |"
     rule = "|---|---:|---:|---|---:|---:|---:|---:|"
     if quality:
         who = " · ".join(m.split()[0].split("-")[0] for m in models)

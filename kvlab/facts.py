@@ -1152,7 +1152,7 @@ def llamacpp_gemma(sweep, path=None) -> dict:
 CH5_MODEL, CH5_GPU, CH5_SWEEP_GPU = "llama-3.1-8b", "L4", "H100-80GB"
 CH5_FORMATS = ["bf16", "fp8_e4m3", "int4"]
 CH5_POOLS_GIB = [0.5, 1, 2, 4, 8, 16, 32, 64]
-CH5_QUALITY_FORMATS = ["bf16", "fp8_e4m3", "int4_token", "int4", "int4_tensor"]
+CH5_QUALITY_FORMATS = ["bf16", "fp8_e4m3", "q8_0", "kivi-4", "int4", "q4_0", "int4_token", "int4_tensor"]
 CH5_PPL_LIMIT = PPL_TOLERANCE  # the workbook's one perplexity bar (kvlab.results)
 INT4_CACHES = ["int4", "lmdeploy-int4", "q4_0", "hf-int4"]  # the INT4 presets an engine might offer
 
@@ -1204,8 +1204,12 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     ppl = {f: {short[m]: r["ppl"][f] for m, r in risk.items()} for f in fmts if f not in REFERENCE_FORMATS}
     table = S.cost_table(reqs, CH5_MODEL, CH5_GPU, fmts, needle=needle, perplexity=ppl, max_ppl_increase=CH5_PPL_LIMIT)
     by_fmt = {r["kv_format"]: r for r in table}
-    int4_rows = [f for f in fmts if f.startswith("int4")]
+    int4_rows = [f for f in fmts if f.startswith("int4") or f == "q4_0"]
     both = [f for f in fmts if by_fmt[f]["needle_ok"] and by_fmt[f]["ppl_ok"] is not False]
+    from .formats import engine_options
+
+    offered = {f: any(engine_options(f).values()) for f in fmts}  # does a serving engine store it?
+    both_offered = [f for f in both if offered[f]]
     prompts = {t for mf in mfs for t in mf["prompts_all"]}
     smol, gemma = mfs
 
@@ -1233,14 +1237,18 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "min_int4_ppl_at": min(int4_rows, key=lambda f: max(ppl[f].values())),
         "prompts_per_cell": next(iter(prompts)) if len(prompts) == 1 else None,
         # the seed's "quality-adjusted cost": the price of a million tokens at the quality you accept, i.e. the
-        # cheapest row that passes both columns (the cheapest row of all may not)
-        "qa": min(both, key=lambda f: by_fmt[f]["usd_per_m_tokens"]) if both else None,
-        "qa_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in both) if both else None,
+        # cheapest row that passes both columns and that an engine offers (the cheapest row of all may not)
+        "both_md": names_md(both), "both_q_md": names_md([f for f in both if f not in REFERENCE_FORMATS]),
+        "offered": offered, "by_fmt": by_fmt,
+        "both_ppl_max": max(max(ppl[f].values()) for f in both if f in ppl),
+        "cheapest_pass": min(both, key=lambda f: by_fmt[f]["usd_per_m_tokens"]) if both else None,
+        "qa": min(both_offered, key=lambda f: by_fmt[f]["usd_per_m_tokens"]) if both_offered else None,
+        "qa_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in both_offered) if both_offered else None,
         "bf16_usd": by_fmt["bf16"]["usd_per_m_tokens"],
         "cheapest": min(fmts, key=lambda f: by_fmt[f]["usd_per_m_tokens"]),
         "cheapest_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in fmts),
     }
-    values["qa_saving"] = 1 - values["qa_usd"] / values["bf16_usd"] if both else None
+    values["qa_saving"] = 1 - values["qa_usd"] / values["bf16_usd"] if both_offered else None
     claims = {
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
             _claim(1.99 < values["fp8_blocks_x"] < 2.01 and 3.5 < values["int4_blocks_x"] < 3.6, blocks),
@@ -1275,14 +1283,18 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
                                                                            prompts),
         "at the perplexity limit FP8 passes on both models and every INT4 row fails on both":
             _claim(by_fmt["fp8_e4m3"]["ppl_ok"] and all(min(ppl[f].values()) > CH5_PPL_LIMIT for f in int4_rows), ppl),
+        "llama.cpp's q4_0 is an INT4 row an engine offers": _claim(offered["q4_0"] and "q4_0" in int4_rows),
         "perplexity ranks the INT4 rows int4 < int4_token < int4_tensor on both models":
             _claim(all(ppl["int4"][m] < ppl["int4_token"][m] < ppl["int4_tensor"][m] for m in short.values()), ppl),
-        "only BF16 and FP8 pass both columns at the default limits": _claim(both == ["bf16", "fp8_e4m3"], both),
+        "the rows that pass both columns at the default limits are BF16, FP8, q8_0 and KIVI-4":
+            _claim(both == ["bf16", "fp8_e4m3", "q8_0", "kivi-4"], both),
+        "the cheapest row that passes both is KIVI-4, which no engine offers":
+            _claim(values["cheapest_pass"] == "kivi-4" and not offered["kivi-4"], values["cheapest_pass"]),
         "no INT4 row held on both models' needles": _claim(not any(by_fmt[f]["needle_ok"] for f in int4_rows),
                                                           values["int4_labels"]),
         "FP8 held on both models' needles": _claim(by_fmt["fp8_e4m3"]["needle_ok"], needle["fp8_e4m3"]),
         "admitting any INT4 row on perplexity alone needs a limit of 10% or more": _claim(values["min_int4_ppl"] > 0.10),
-        "the quality-adjusted price is FP8's, below BF16's and above the cheapest row's":
+        "the quality-adjusted price (engines' rows) is FP8's, below BF16's and above the cheapest row's":
             _claim(values["qa"] == "fp8_e4m3" and values["cheapest_usd"] < values["qa_usd"] < values["bf16_usd"],
                    (values["qa"], values["qa_usd"], values["cheapest_usd"])),
     }
@@ -1310,7 +1322,14 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     from . import budget as B
     from . import decide
     from .formats import get_format
-    from .results import LONG_SWEEPS, PPL_TOLERANCE, LongSweep, wilson
+    from .results import (
+        LONG_SWEEPS,
+        PPL_TOLERANCE,
+        LongSweep,
+        exact_upper,
+        fewest_prompts_to_detect,
+        wilson,
+    )
     from .roofline import MBU
 
     sweeps = sweeps or {m: LongSweep.load(path) for m, path in LONG_SWEEPS.items()}
@@ -1366,7 +1385,12 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "short1": short1, "s": smol, "g": gemma, "sweeps": sweeps,
         "figure_formats": ["fp32"] + [f for f in formats if q[f]["measured"] and not q[f]["reference"]],
         "g_never_md": names_md([f for f in gemma["held"] if f in CH6_FORMATS or f in ("q8_0", "int4_g16")]),
-        "s_int4": needle_label(smol, "int4"), "g_int4": needle_label(gemma, "int4"),
+        "s_int4": needle_label(smol, "int4"), "g_int4": needle_label(gemma, "int4"), "s_q4_0": needle_label(smol, "q4_0"),
+        "min_detect": fewest_prompts_to_detect(),
+        "grown_layout": _layout(plans_grown["bf16"]) if plans_grown.get("bf16") else "—",
+        # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
+        "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
+                                      f"{mf['name'].split()[0].split('-')[0]}" for mf in (smol, gemma)) if call else "—",
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
         "prompts": smol["prompts"] if smol["prompts_all"] == gemma["prompts_all"] and len(smol["prompts_all"]) == 1 else None,
         "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
@@ -1437,6 +1461,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     return Facts(values, claims)
 
 
+def _layout(p: dict) -> str:
+    """A plan's layout as chapter 6 prints it: "tp=2", or "tp=1 × 3 replicas"."""
+    return f"tp={p['tp']}" + (f" × {p['replicas']} replicas" if p["replicas"] > 1 else "")
+
+
 def _plans_md(plans: dict, by: dict) -> str:
     """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk on each of
     chapter 4's models (paired needle verdict, perplexity change), the engines that offer it."""
@@ -1447,7 +1476,7 @@ def _plans_md(plans: dict, by: dict) -> str:
     for f, p in plans.items():
         q = by[f]["quality"]
         if q.get("reference"):
-            needle = ppl = "reference"
+            needle, ppl = "reference (fp32 in chapter 4)", "reference"
         elif not q["measured"]:
             needle, ppl = "not in the paired sweeps", "—"
         else:
@@ -1458,8 +1487,7 @@ def _plans_md(plans: dict, by: dict) -> str:
         if p is None:
             rows.append(f"| `{f}` | over 64 | — | — | — | — | {needle} | {ppl} | {offered} |")
             continue
-        layout = f"tp={p['tp']}" + (f" × {p['replicas']} replicas" if p["replicas"] > 1 else "")
-        rows.append(f"| `{f}` | {p['gpus']} | {layout} | {p['spare']} | {p['tokens_per_s']:,.0f} | "
+        rows.append(f"| `{f}` | {p['gpus']} | {_layout(p)} | {p['spare']} | {p['tokens_per_s']:,.0f} | "
                     f"${p['usd_per_million_tokens']:.2f} | {needle} | {ppl} | {offered} |")
     return "\n".join(rows)
 
