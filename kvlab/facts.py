@@ -1387,6 +1387,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "g_never_md": names_md([f for f in gemma["held"] if f in CH6_FORMATS or f in ("q8_0", "int4_g16")]),
         "s_int4": needle_label(smol, "int4"), "g_int4": needle_label(gemma, "int4"), "s_q4_0": needle_label(smol, "q4_0"),
         "min_detect": fewest_prompts_to_detect(),
+        # the paired tests a format must pass on each model: each length in each single-needle haystack, and pooled
+        "n_tests": {mf["name"].split()[0].split("-")[0]: len(mf["lengths"]) + len(mf["prose"]["lengths"]) + 1
+                    for mf in (smol, gemma)},
         "grown_layout": _layout(plans_grown["bf16"]) if plans_grown.get("bf16") else "—",
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
         "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
