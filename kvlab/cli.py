@@ -325,6 +325,18 @@ def cmd_niah_endpoint(args) -> int:
         if why := out_problem(path, flag):  # before any request: the answers must have somewhere to go
             print(f"kvlab: error: {why}", file=sys.stderr)
             return 2
+    try:  # the journal's own name must fit the folder's limit, and it must not be the result file itself
+        too_long = len(journal.name.encode()) > os.pathconf(journal.parent, "PC_NAME_MAX")
+        same = os.path.realpath(journal) == os.path.realpath(out)
+    except OSError as e:
+        print(f"kvlab: error: --out {args.out}: its journal {journal}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
+        return 2
+    if too_long or same:
+        print(f"kvlab: error: --out {args.out}: its journal {journal.name} "
+              + ("is a name too long for the folder; give a shorter --out" if too_long else
+                 "is a link to the result file itself (each would destroy the other); remove the link"),
+              file=sys.stderr)
+        return 2
     try:
         key = os.environ.get("OPENAI_API_KEY") or None  # a bearer token, as OpenAI's own clients read it
         eps = [E.Endpoint(u, model=args.endpoint_model, timeout=args.timeout, retries=args.retries,
@@ -451,9 +463,11 @@ def cmd_serve(args) -> int:
         raise KeyboardInterrupt
 
     before = signal.signal(signal.SIGTERM, terminate)
+    stopping = False
     try:
         srv.serve_forever()
     except KeyboardInterrupt:
+        stopping = True
         print("kvlab: stopping (a generation in progress is answered 503)", file=sys.stderr, flush=True)
         srv.httpd.socket.close()  # new connections are refused at once, not accepted and left waiting
         try:  # never exit while a handler thread is inside torch: that aborts the process
@@ -464,8 +478,18 @@ def cmd_serve(args) -> int:
             print("kvlab: forced to stop; the request in progress gets no answer", file=sys.stderr, flush=True)
             os._exit(130)
     finally:
+        if stopping:  # no step is running now: a second signal while the process winds down exits 130 at once
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: os._exit(130))
+        else:
+            signal.signal(signal.SIGTERM, before)
         srv.httpd.server_close()
-        signal.signal(signal.SIGTERM, before)
+    if stopping and getattr(args, "whole_process", False):
+        # the interpreter's own shutdown puts the default handlers back and takes seconds with torch loaded, so a
+        # second signal then would kill the process (exit 143, no message): nothing is left to unwind, leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
@@ -624,6 +648,7 @@ def main(argv=None) -> int:
             print("kvlab: error: standard output is closed", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    args.whole_process = argv is None  # the `kvlab` command itself, not a call from Python (tests, notebooks)
     try:
         rc = args.func(args)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, inside the handler below

@@ -290,6 +290,12 @@ class Endpoint:
         except (KeyError, IndexError, TypeError):
             raise EndpointError(f"{self.url}/v1/completions: malformed answer (no choices[0].text): "
                                 f"{json.dumps(doc)[:200]}") from None
+        named = doc.get("model")  # the name a server answers with can differ from the id asked (an alias, a dated
+        if isinstance(named, str):  # version), but not from one answer to the next: that is another model answering
+            first = self.__dict__.setdefault("_answered_as", named)  # (atomic: worker threads share this endpoint)
+            if named != first:
+                raise EndpointError(f"{self.url}/v1/completions: answered as model {named[:80]!r} where earlier "
+                                    f"answers said {first[:80]!r} (a redeploy behind the URL?); this answer is not kept")
         usage = doc.get("usage")
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if isinstance(counted, bool) or not isinstance(counted, int) or not 0 <= counted <= 1 << 30:
@@ -319,6 +325,8 @@ def _finite_logprob(x, where: str) -> float:
     reports it; NaN, a positive value or a non-number is the server's error and says so."""
     if isinstance(x, bool) or not isinstance(x, int | float) or (isinstance(x, float) and math.isnan(x)) or x > 1e-6:
         raise EndpointError(f"{where}: a log-probability must be a number <= 0, got {str(x)[:40]}")
+    if x > 0:  # within rounding of zero (a probability of 1): 0, so no positive log-probability is written out
+        return 0.0
     return LOGPROB_FLOOR if x < LOGPROB_FLOOR else float(x)  # (an integer of 400 digits never reaches float())
 
 
@@ -515,8 +523,12 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
     with journal.open("a") as fh, tqdm(total=len(todo), disable=not progress, desc="requests") as bar:
         def write(rec):
             nonlocal kept
-            fh.write(json.dumps(rec, allow_nan=False) + "\n")  # only this thread writes: workers return records
-            fh.flush()
+            try:
+                fh.write(json.dumps(rec, allow_nan=False) + "\n")  # only this thread writes: workers return records
+                fh.flush()
+            except OSError as e:  # a full disk: name the journal, and what a rerun does
+                raise ValueError(f"journal {journal}: {e.strerror or e}; the {kept} answers written before are kept "
+                                 "(a cut-off last line is ignored): free space and run the same command to resume") from None
             kept += 1
             bar.update()
             if not rec["error"]:

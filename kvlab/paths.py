@@ -36,6 +36,15 @@ def out_problem(path: str | Path, flag: str = "--out") -> str | None:
     """
     if not str(path).strip():
         return f"{flag} is empty"
+    if str(path).endswith(("/", "/.", "/..")) or str(path) in (".", ".."):
+        return f"{flag} {path}: names a folder, not a file"
+    try:
+        return _out_problem(path, flag)
+    except OSError as e:  # a name too long, a folder we may not search: one line, not a traceback
+        return f"{flag} {path}: {(e.strerror or str(e)).lower()}"
+
+
+def _out_problem(path: str | Path, flag: str) -> str | None:
     if Path(path).is_symlink() and not Path(path).exists():
         try:
             os.stat(path)
@@ -86,15 +95,17 @@ def read_text(path: str | Path, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> s
     return text
 
 
-class WriteError(OSError):
-    """A result file could not be written (disk full, quota, permissions changed during the run)."""
+class WriteError(OSError, ValueError):
+    """A result file could not be written (disk full, quota, permissions changed during the run, the path turned
+    into a folder or lost its folder): callers keep the result elsewhere (stdout) and say so."""
 
 
 def write_json(path: str | Path, doc) -> None:
     """Write ``doc`` as JSON to ``path`` atomically (a temporary file in the same folder, then a rename),
-    so an interrupted run never leaves a half-written result."""
+    so an interrupted run never leaves a half-written result. :class:`WriteError` (also a ``ValueError``) when the
+    path cannot take it, checked again here since a long run can outlive the check made before it."""
     if why := out_problem(path, "path"):  # never rename over a device or into a folder that is not there
-        raise ValueError(why)
+        raise WriteError(why)
     path = result_path(path)
     text = json.dumps(doc, indent=1, allow_nan=False) + "\n"  # strict JSON: a NaN is a bug, named here
     try:  # the mode a plain open() would give: the old file's, else what the umask allows (mkstemp makes 0600)

@@ -416,3 +416,24 @@ def test_serve_keeps_waiting_for_a_step_that_outlasts_the_first_wait(capsys, mon
     monkeypatch.setattr(CompletionServer, "stop_generating", lambda self, timeout=60: calls.append(timeout) or len(calls) > 1)
     assert run(["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--port", "0"]) == 0
     assert calls == [30, 30] and "still waiting for the model" in capsys.readouterr().err
+
+
+def test_out_paths_that_fail_inside_the_os_get_one_line(tmp_path, capsys):
+    """A name too long, a path that ends like a folder, a journal linked to the result, a journal name too long:
+    each refused before the run with the reason, never a traceback."""
+    from kvlab.cli import main
+    from kvlab.paths import WriteError, out_problem, write_json
+
+    assert "file name too long" in out_problem(tmp_path / ("x" * 300 + ".json"))
+    assert "names a folder" in out_problem(f"{tmp_path}/r.json/") and "names a folder" in out_problem("r.json/.")
+    # the path lost its folder during a long run: WriteError (the commands print the result on stdout instead)
+    with pytest.raises(WriteError, match="does not exist"):
+        write_json(tmp_path / "gone" / "r.json", {"a": 1})
+    (tmp_path / "r.json").write_text("{}\n")
+    (tmp_path / "r.requests.jsonl").symlink_to(tmp_path / "r.json")  # the journal would overwrite the result
+    assert main(["niah", "--endpoint", "http://127.0.0.1:1", "--out", str(tmp_path / "r.json")]) == 2
+    assert "is a link to the result file itself" in capsys.readouterr().err
+    long = tmp_path / ("y" * 250 + ".json")  # a legal name whose journal's name is not
+    assert main(["niah", "--endpoint", "http://127.0.0.1:1", "--out", str(long)]) == 2
+    err = capsys.readouterr().err
+    assert "name too long" in err and "Traceback" not in err

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -705,3 +706,35 @@ def test_no_part_of_a_password_reaches_a_message(secret):
     with pytest.raises(ValueError) as e:
         E.Endpoint(url)
     assert "hunter" not in str(e.value) and f"Zq{secret}Zq" not in str(e.value) and "***@127.0.0.1:1" in str(e.value)
+
+
+def test_an_endpoint_that_changes_model_between_answers_is_caught(stub):
+    """Behind a load balancer mid-redeploy the same URL can answer as another model: that answer is an error."""
+    s = stub(lambda n: (200, _completion() | {"model": "fake" if n % 2 else "other"}))
+    ep = E.Endpoint(s.url, model="stub", retries=0)
+    assert ep.complete("hi")["text"] == "12345."
+    with pytest.raises(E.EndpointError, match="answered as model 'other' where earlier answers said 'fake'"):
+        ep.complete("hi")
+
+
+def test_a_log_probability_within_rounding_of_zero_is_written_as_zero():
+    assert E._finite_logprob(1e-7, "w") == 0.0 and E._finite_logprob(-0.5, "w") == -0.5
+    with pytest.raises(E.EndpointError, match="<= 0"):
+        E._finite_logprob(0.01, "w")
+
+
+def test_a_journal_that_cannot_be_written_says_which_file_and_how_to_resume(stub, tmp_path, monkeypatch):
+    import io
+
+    s = stub(lambda n: (200, _completion()))
+    journal = tmp_path / "full.requests.jsonl"
+    real_open = Path.open
+
+    class Full(io.StringIO):  # a disk that fills up at the first answer
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: Full() if self == journal else real_open(self, *a, **k))
+    with pytest.raises(ValueError, match=r"full.requests.jsonl: No space left on device; the 0 answers written "
+                                         "before are kept .* run the same command to resume"):
+        E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(2), journal, top_logprobs=0)

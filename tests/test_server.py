@@ -499,6 +499,27 @@ def test_a_second_signal_during_one_long_step_forces_a_clean_exit(tmp_path):
     assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("gap", [0.05, 0.5])
+def test_a_second_signal_while_an_idle_server_winds_down_exits_130_not_143(gap):
+    """After the first SIGTERM no step runs, but the process takes a moment to exit: a second SIGTERM then is
+    not left to the default handler (exit 143, no message)."""
+    import signal
+
+    proc, _ = _serve_process()
+    try:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(gap)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130), (proc.returncode, err[-2000:])
+    assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
+
+
 def test_an_explicit_null_is_the_default_for_every_optional_field(srv):
     base = _post(srv, {"prompt": "The cat", "max_tokens": 3}).json()["choices"][0]["text"]
     nulls = {f: None for f in ("temperature", "top_p", "n", "best_of", "echo", "presence_penalty",
