@@ -18,6 +18,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -29,8 +30,10 @@ from .paths import WriteError, out_problem, read_text
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        self.exit(2, f"kvlab: error: {message}\n")
+    def error(self, message):  # one line, no usage dump, no value echoed at full length
+        if "expected one argument" in message:  # "--batch -inf": argparse took "-inf" for an option
+            message += " (a value that starts with '-' goes as --flag=VALUE)"
+        self.exit(2, "kvlab: error: " + re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message) + "\n")
 
 
 MAX_LENGTH = 1 << 20  # tokens in one prompt: past every model here (a larger one would only exhaust memory)
@@ -529,14 +532,36 @@ def cmd_serve_sim(args) -> int:
     return 0
 
 
+def _shown(text, limit: int = 40) -> str:
+    """A value as an error line quotes it: a 5,000-digit number is cut, not echoed whole."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def _positive_float(text):
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
     if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {_shown(v)}")
     return v
+
+
+def _seconds(allow_zero: bool):
+    """A duration flag (--timeout, --backoff): finite, at most a day (:data:`kvlab.endpoint.MAX_TIMEOUT_S`)."""
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds, got {_shown(repr(text))}") from None
+        from .endpoint import MAX_TIMEOUT_S
+
+        if not (0 <= v <= MAX_TIMEOUT_S) or (v == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'} and at most "
+                                             f"{MAX_TIMEOUT_S:g} seconds (a day), got {_shown(v)}")
+        return v
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -590,9 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer", help="a local tokenizer of the served model (default: --model's)")
     e.add_argument("--endpoint-model", help="the served model's id (default: the server's only model)")
     e.add_argument("--concurrency", type=_int("--concurrency", 1, 256), default=4, help="requests in flight per run")
-    e.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds to wait for one answer")
+    e.add_argument("--timeout", type=_seconds(False), default=120.0, help="seconds to wait for one answer")
     e.add_argument("--retries", type=_int("--retries", 0, 20), default=3, help="retries on 429, 5xx and timeouts")
-    e.add_argument("--backoff", type=_positive_float, default=0.5, help="seconds before the first retry (doubles)")
+    e.add_argument("--backoff", type=_seconds(True), default=0.5, help="seconds before the first retry (doubles)")
     e.add_argument("--max-tokens", type=_int("--max-tokens", 1, 4096), default=12, help="tokens generated per prompt")
     e.add_argument("--top-logprobs", type=_int("--top-logprobs", 0, 20), default=5,
                    help="top-k logprobs asked per step for teacher agreement (0: none)")

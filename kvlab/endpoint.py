@@ -262,10 +262,10 @@ class Endpoint:
         ids = self.models()
         if self.model is None:
             if len(ids) != 1:
-                raise EndpointError(f"{self.url} serves {len(ids)} models ({', '.join(ids) or 'none'}); name one")
+                raise EndpointError(f"{self.url} serves {len(ids)} models ({_ids(ids) or 'none'}); name one")
             self.model = ids[0]
         elif self.model not in ids:
-            raise EndpointError(f"{self.url} does not serve {self.model!r}; it lists {', '.join(ids)}")
+            raise EndpointError(f"{self.url} does not serve {self.model!r}; it lists {_ids(ids)}")
         return self.model
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16, logprobs: int | None = None,
@@ -318,6 +318,12 @@ class Endpoint:
             floored = sum(x == LOGPROB_FLOOR for x in tlps if x is not None)
             out |= {"tokens": toks, "token_logprobs": tlps, "top_logprobs": tops, "floored_logprobs": floored}
         return out
+
+
+def _ids(ids: list[str], most: int = 10) -> str:
+    """Model ids for an error line: the first few, cut, and how many in all (a server may list thousands)."""
+    shown = ", ".join(str(i)[:80] for i in ids[:most])
+    return shown + (f", ... ({len(ids):,} in all)" if len(ids) > most else "")
 
 
 def _finite_logprob(x, where: str) -> float:

@@ -437,3 +437,25 @@ def test_out_paths_that_fail_inside_the_os_get_one_line(tmp_path, capsys):
     assert main(["niah", "--endpoint", "http://127.0.0.1:1", "--out", str(long)]) == 2
     err = capsys.readouterr().err
     assert "name too long" in err and "Traceback" not in err
+
+
+def test_error_lines_cut_long_values_and_explain_negative_values(capsys):
+    from kvlab.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--trials", "9" * 5000])
+    err = capsys.readouterr().err
+    assert len(err) < 400 and "characters)" in err  # the value is cut, not echoed whole
+    with pytest.raises(SystemExit):
+        main(["budget", "--batch", "-inf"])
+    assert "goes as --flag=VALUE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "1e308"])
+    assert "argument --timeout: must be > 0 and at most 86400 seconds" in capsys.readouterr().err
+
+
+def test_a_server_listing_thousands_of_models_is_named_briefly():
+    from kvlab.endpoint import _ids
+
+    text = _ids([f"m{i}" for i in range(100_000)])
+    assert text.startswith("m0, m1") and text.endswith("(100,000 in all)") and len(text) < 120
