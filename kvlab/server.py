@@ -173,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
         if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":  # failed before a version was read:
             self.request_version = "HTTP/1.0"  # answer with a status line and headers all the same
         try:
-            if self.command == "HEAD" or code < 200 or code in (204, 304):
+            if getattr(self, "command", None) == "HEAD" or code < 200 or code in (204, 304):
                 self.send_response(code, message)
                 self.send_header("Connection", "close")
                 self.end_headers()
@@ -190,6 +190,11 @@ class _Handler(BaseHTTPRequestHandler):
         while self.raw_requestline in (b"\r\n", b"\n") and skipped < 8:
             self.raw_requestline = self.rfile.readline(65537)
             skipped += 1
+        if not self.raw_requestline.strip():  # still blank after 8: say so rather than close without a word
+            self.command, self.requestline, self.close_connection = None, "", True
+            self.send_error(400, "No request line", "a request starts 'METHOD /path HTTP/1.1' (a few empty lines "
+                                                    "before it are skipped)")
+            return False
         if len(self.raw_requestline.split()) == 2:  # "GET /path" with no version: http.server would read headers
             self.command, self.request_version = self.raw_requestline.split()[0].decode("latin-1"), "HTTP/0.9"
             self.requestline = self.raw_requestline.decode("latin-1").rstrip("\r\n")
@@ -221,7 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         except OSError:
             return
-        if first == b"\x16":
+        if first == b"\x16" or first[:1] >= b"\x80":  # a TLS record, or an SSLv2-style hello (its high bit set)
             self._answer_early(_raw_error(400, "Bad Request", "this server speaks plain HTTP: use http://, not https://"))
             return
         super().handle()

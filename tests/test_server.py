@@ -340,6 +340,12 @@ def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
     t0 = time.time()
     head = _raw(srv, bytes.fromhex("16030100c4010000c00303") + bytes(32), wait=10)
     assert head.startswith(b"HTTP/1.0 400 ") and b"http://" in head and time.time() - t0 < 5
+    t0 = time.time()  # an SSLv2-style hello (first byte with its high bit set): the same, at once
+    head = _raw(srv, bytes.fromhex("802b01030100120000001000") + bytes(16), wait=10)
+    assert head.startswith(b"HTTP/1.0 400 ") and b"http://" in head and time.time() - t0 < 5
+    # more empty lines than are skipped before a request line: a 400 that says so, not a silent close
+    assert b"No request line" in _raw(srv, b"\r\n" * 9 + b"GET /health HTTP/1.1\r\n\r\n")
+    assert _raw(srv, b"\r\n" * 3 + b"GET /health HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 200 ")
     r = _post(srv, {"prompt": "hi", "add_special_tokens": False, "bogus": 1}, path="/tokenize")
     assert r.status_code == 400 and "'bogus'" in r.json()["error"]["message"]
     assert _post(srv, {"prompt": "hi", "model": "tiny"}, path="/tokenize").json()["count"] >= 1
