@@ -399,13 +399,13 @@ def cmd_niah_endpoint(args) -> int:
             first = next(e for errs in doc["errors"].values() for e in errs)
             print(f"{failed} requests failed after their retries (see {journal}); run again to retry them. "
                   f"The first: {first['error'][:300]}")
-        print(f"wrote {out}")
+        print(f"wrote {E._printable(str(out))}")
     for url, off in doc["length_check"].items():  # the server counted other tokens than the prompt was built from
         if off is not None and off > E.LENGTH_TOLERANCE:
             print(f"kvlab: warning: {url} counted prompts up to {off} tokens away from their intended length; "
                   "check that --tokenizer is the served model's", file=sys.stderr)
     if interrupted:
-        print(f"kvlab: interrupted during the perplexity rung; wrote the ladder to {out}", file=sys.stderr)
+        print(f"kvlab: interrupted during the perplexity rung; wrote the ladder to {E._printable(str(out))}", file=sys.stderr)
         return 130
     if ppl_failed:  # asked for, and not measured: not a success
         print(f"kvlab: error: the perplexity rung failed on {ppl_failed} server(s) (warnings above); the ladder "

@@ -359,8 +359,8 @@ def _strict_constant(name: str):
 def _json_or_none(content: bytes):
     """``content`` parsed as JSON (NaN and Infinity allowed: the fields that matter are checked one by one),
     or None if it is not JSON, or nests too deeply to parse."""
-    try:
-        return json.loads(content)
+    try:  # an integer of thousands of digits is legal JSON that int() refuses: read it as out of range (inf)
+        return json.loads(content, parse_int=lambda t: int(t) if len(t) <= 4000 else float("-inf" if t[0] == "-" else "inf"))
     except (ValueError, RecursionError):
         return None
 

@@ -738,3 +738,12 @@ def test_a_journal_that_cannot_be_written_says_which_file_and_how_to_resume(stub
     with pytest.raises(ValueError, match=r"full.requests.jsonl: No space left on device; the 0 answers written "
                                          "before are kept .* run the same command to resume"):
         E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(2), journal, top_logprobs=0)
+
+
+def test_a_log_probability_of_thousands_of_digits_is_out_of_range_not_not_json(stub):
+    huge = _completion()
+    body = json.dumps(huge).replace("-0.1", "-" + "9" * 5000, 1).encode()
+    doc = E._json_or_none(body)
+    assert doc is not None and doc["choices"][0]["logprobs"]["token_logprobs"][0] == float("-inf")
+    assert E._finite_logprob(doc["choices"][0]["logprobs"]["token_logprobs"][0], "w") == E.LOGPROB_FLOOR
+    assert E._json_or_none(b'{"a": ' + b"9" * 5000 + b"}")["a"] == float("inf")
