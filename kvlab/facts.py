@@ -1134,7 +1134,8 @@ def llamacpp_gemma(sweep, path=None) -> dict:
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
                            f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + "." + swa_md
                + (f" Not finished yet, so not in the table (`python scripts/compare_engines.py --llama-cpp --model "
-                  f"gemma3-270m --lengths {' '.join(str(n) for n in doc['lengths'])}` resumes it): {running}."
+                  f"gemma3-270m --lengths {' '.join(str(n) for n in doc['lengths'])}"
+                  f"{' --swa-cache window' if window else ''}` resumes it): {running}."
                   if pending else ""))
     intro = ("The long-context model's GGUF ran in llama.cpp too, on the long sweep's own filler prompts (same seed, "
              "depths and prompts a depth), so each llama.cpp answer pairs with kvlab's on the identical prompt. "
