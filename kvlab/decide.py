@@ -123,6 +123,22 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     return row
 
 
+def vllm_command(plan: dict, context: int, model: str = "YOUR/MODEL", memory_utilization: float = 0.9) -> str:
+    """The ``vllm serve`` line that runs one replica of :func:`plan`'s configuration: its KV dtype flag (from
+    ``kvlab formats --engines``), the context, the memory share the plan assumed, the tensor-parallel size and at
+    most as many sequences as its pool holds. Empty when vLLM does not offer the plan's format."""
+    flag = engine_options(plan["kv_format"]).get("vLLM")
+    if not flag:
+        return ""
+    kv = flag.split(" (")[0].split(" with ")[0]  # "--kv-cache-dtype fp8 (= fp8_e4m3)" -> "--kv-cache-dtype fp8"
+    line = (f"vllm serve {model} {kv} --max-model-len {context} --gpu-memory-utilization {memory_utilization:g} "
+            f"--tensor-parallel-size {plan['tp']} --max-num-seqs {plan['per_replica']}")
+    if plan["replicas"] > 1:
+        line += (f"   # on each of {plan['replicas']} replicas ({plan['tp']} GPU{'s' if plan['tp'] > 1 else ''} "
+                 "each), behind a load balancer")
+    return line
+
+
 def _reserves(reserve_gib) -> dict[int, float]:
     """``{tp: GiB}``: a number applies at every size; a dict must give tp=1, and a size it leaves out takes the
     entry of the largest size below it (a reserve grows with tensor parallelism, it does not shrink)."""

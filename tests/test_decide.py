@@ -119,3 +119,12 @@ def test_plan_reports_a_format_error_instead_of_nothing_fits():
                intermediate_size=100, vocab_size=100, head_dim=80, max_position_embeddings=8192)
     with pytest.raises(ValueError, match="does not divide head_dim"):
         decide.plan(cfg, "H100-80GB", 4096, 1, "int4")
+
+
+def test_the_vllm_command_runs_one_replica_of_the_plan():
+    p = decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "fp8_e4m3")
+    line = decide.vllm_command(p, 32768, "meta-llama/Llama-3.1-8B-Instruct")
+    assert line.startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct --kv-cache-dtype fp8 --max-model-len 32768 ")
+    assert f"--tensor-parallel-size {p['tp']} --max-num-seqs {p['per_replica']}" in line
+    assert (f"on each of {p['replicas']} replicas" in line) == (p["replicas"] > 1)
+    assert decide.vllm_command(decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "kivi-4"), 32768) == ""
