@@ -725,6 +725,10 @@ def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, ma
         lps = [x for x in out["token_logprobs"][: out["prompt_tokens"] or window] if x is not None]
         if not lps:
             raise EndpointError(f"{ep.url} returned no prompt logprobs with echo=true; this rung needs them")
+        expected = (out["prompt_tokens"] or len(w)) - 1  # every prompt token but the first has one
+        if len(lps) < expected - LENGTH_TOLERANCE:  # a perplexity over a few tokens would pass for the window's
+            raise EndpointError(f"{ep.url} returned {len(lps)} prompt log-probabilities for a prompt of "
+                                f"{expected + 1} tokens with echo=true; this rung needs one per token")
         nll -= sum(lps)
         count += len(lps)
     if nll / count > 700:  # exp would overflow: the server gave (near-)zero probabilities to the text

@@ -747,3 +747,20 @@ def test_a_log_probability_of_thousands_of_digits_is_out_of_range_not_not_json(s
     assert doc is not None and doc["choices"][0]["logprobs"]["token_logprobs"][0] == float("-inf")
     assert E._finite_logprob(doc["choices"][0]["logprobs"]["token_logprobs"][0], "w") == E.LOGPROB_FLOOR
     assert E._json_or_none(b'{"a": ' + b"9" * 5000 + b"}")["a"] == float("inf")
+
+
+def test_perplexity_needs_a_log_probability_for_every_prompt_token(stub):
+    """A server that echoes 2 prompt log-probabilities for a 512-token window does not get a perplexity."""
+    def behave(n):
+        lp = {"tokens": ["a"] * 3, "token_logprobs": [None, -1.0, -1.0], "top_logprobs": [None, {"a": -1.0}, {"a": -1.0}]}
+        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": 512}}
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return list(range(600))
+
+        def decode(self, ids):
+            return "x" * len(ids)
+
+    with pytest.raises(E.EndpointError, match="returned 2 prompt log-probabilities for a prompt of 512 tokens"):
+        E.perplexity(E.Endpoint(stub(behave).url), Tok(), text="x", window=512, max_windows=1)
