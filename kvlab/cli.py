@@ -439,6 +439,21 @@ def cmd_serve(args) -> int:
     if args.name is not None and (not args.name.strip() or not args.name.isprintable()):
         print(f"kvlab: error: --name {args.name!r} is empty or unprintable", file=sys.stderr)
         return 2
+    def terminate(*_):  # SIGTERM (docker stop, systemd, Kubernetes) stops as Ctrl-C does: answers kept
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, terminate)  # from here on, also while the model loads
+    try:
+        return _serve(args, before)
+    except KeyboardInterrupt:  # stopped before it served anything (while loading): nothing to keep
+        print("kvlab: interrupted before serving", file=sys.stderr)
+        return 130
+    finally:
+        if signal.getsignal(signal.SIGTERM) is terminate:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _serve(args, before) -> int:
     # said before the model loads, so a standard output that cannot be written (a full disk) fails now, not later
     print(f"kvlab: loading {args.model or 'smollm2-135m'} ...", flush=True)
     from .models import (  # the model stack, after the cheap checks
@@ -462,10 +477,6 @@ def cmd_serve(args) -> int:
         return 2
     print(f"kvlab: serving {srv.name} with a {srv.fmt.name} KV cache (prompt + answer up to {srv.max_context:,} "
           f"tokens) at {srv.url}/v1", flush=True)
-    def terminate(*_):  # SIGTERM (docker stop, systemd, Kubernetes) stops as Ctrl-C does: answers kept
-        raise KeyboardInterrupt
-
-    before = signal.signal(signal.SIGTERM, terminate)
     stopping = False
     try:
         srv.serve_forever()

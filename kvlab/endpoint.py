@@ -291,7 +291,9 @@ class Endpoint:
             raise EndpointError(f"{self.url}/v1/completions: malformed answer (no choices[0].text): "
                                 f"{json.dumps(doc)[:200]}") from None
         named = doc.get("model")  # the name a server answers with can differ from the id asked (an alias, a dated
-        if isinstance(named, str):  # version), but not from one answer to the next: that is another model answering
+        if named is not None and not isinstance(named, str):  # version), but not from one answer to the next
+            raise EndpointError(f"{self.url}/v1/completions: 'model' in the answer is not a string: {str(named)[:80]}")
+        if named is not None:  # another name is another model answering
             first = self.__dict__.setdefault("_answered_as", named)  # (atomic: worker threads share this endpoint)
             if named != first:
                 raise EndpointError(f"{self.url}/v1/completions: answered as model {named[:80]!r} where earlier "
@@ -300,7 +302,7 @@ class Endpoint:
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if isinstance(counted, bool) or not isinstance(counted, int) or not 0 <= counted <= 1 << 30:
             counted = None  # a server that does not count, or counts in a shape we cannot read: not compared
-        out = {"text": text, "prompt_tokens": counted}
+        out = {"text": text, "prompt_tokens": counted, "answered_as": named}
         if logprobs is not None:
             lp = choice.get("logprobs")
             if not isinstance(lp, dict) or not isinstance(lp.get("top_logprobs"), list) or not lp["top_logprobs"]:
@@ -450,12 +452,19 @@ def _journal(path: Path, settings: dict[str, dict]) -> dict[tuple[str, str], dic
     behind the URL) is refused, naming the difference, rather than silently reused.
     """
     done = {}
+    if path.is_symlink():  # appending through a link writes into whatever file it names
+        raise ValueError(f"journal {path} is a symbolic link; a journal is the run's own file: remove the link")
     if not path.exists():
         return done
     for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         try:
             r = json.loads(line, parse_constant=_strict_constant)
         except (ValueError, RecursionError):
+            r = None
+        if n == 1 and not (isinstance(r, dict) and "endpoint" in r and "key" in r):  # a journal starts with one
+            raise ValueError(f"journal {path}: its first line is not an answer this command wrote; it is another "
+                             "file: give another --out, or move that file away")
+        if r is None:
             continue  # a line cut short by an interrupted write, or not strict JSON: ask again
         if not isinstance(r, dict) or r.get("error") or not isinstance(r.get("key"), str):
             continue
@@ -504,6 +513,9 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
         ep.resolve_model()
     settings = {ep.url: {"max_tokens": max_tokens, "top_logprobs": top_logprobs} | ep.identity for ep in endpoints}
     done = _journal(journal, settings)
+    for (url, _), rec in done.items():  # a resumed run holds the server to the model its earlier answers named
+        if isinstance(rec.get("answered_as"), str):
+            next(ep for ep in endpoints if ep.url == url).__dict__.setdefault("_answered_as", rec["answered_as"])
     for ep in endpoints:  # the key names the prompt, so its cell comes from the prompt, not from the journal line
         for p in prompts:
             if (ep.url, p.key) in done:
@@ -526,12 +538,15 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
     kept = 0
     queue = iter(todo)
     pool = ThreadPoolExecutor(max_workers=concurrency)
-    with journal.open("a") as fh, tqdm(total=len(todo), disable=not progress, desc="requests") as bar:
+    cut = journal.exists() and journal.stat().st_size and not journal.read_bytes().endswith(b"\n")
+    with journal.open("ab", buffering=0) as fh, tqdm(total=len(todo), disable=not progress, desc="requests") as bar:
         def write(rec):
-            nonlocal kept
-            try:
-                fh.write(json.dumps(rec, allow_nan=False) + "\n")  # only this thread writes: workers return records
-                fh.flush()
+            nonlocal kept, cut
+            try:  # only this thread writes (workers return records); unbuffered, so a failed write is not retried
+                data = (b"\n" if cut else b"") + (json.dumps(rec, allow_nan=False) + "\n").encode()
+                cut = False  # a line an earlier run left cut short is ended first, so this record stays whole
+                while data:
+                    data = data[fh.write(data):]
             except OSError as e:  # a full disk: name the journal, and what a rerun does
                 raise ValueError(f"journal {journal}: {e.strerror or e}; the {kept} answers written before are kept "
                                  "(a cut-off last line is ignored): free space and run the same command to resume") from None
@@ -725,7 +740,7 @@ def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, ma
         lps = [x for x in out["token_logprobs"][: out["prompt_tokens"] or window] if x is not None]
         if not lps:
             raise EndpointError(f"{ep.url} returned no prompt logprobs with echo=true; this rung needs them")
-        expected = (out["prompt_tokens"] or len(w)) - 1  # every prompt token but the first has one
+        expected = len(w) - 1  # every token of the window sent but the first has one (whatever usage claims)
         if len(lps) < expected - LENGTH_TOLERANCE:  # a perplexity over a few tokens would pass for the window's
             raise EndpointError(f"{ep.url} returned {len(lps)} prompt log-probabilities for a prompt of "
                                 f"{expected + 1} tokens with echo=true; this rung needs one per token")

@@ -168,6 +168,8 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     def send_error(self, code, message=None, explain=None):
         """Errors raised by http.server itself (a bad request line, headers too long) in the API's JSON shape."""
+        if code == 501:  # a method http.server does not know (FOO, BREW): the client's mistake, so a 4xx
+            code, message, explain = 405, "Method not allowed", "this server answers GET and POST"
         short, long = self.responses.get(code, ("error", ""))
         self.close_connection = True
         if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":  # failed before a version was read:

@@ -536,8 +536,9 @@ def test_timeout_bounds_the_whole_answer_not_each_read():
 
 def test_perplexity_beyond_float_range_is_an_error_and_the_ladder_is_still_written(stub, tmp_path, capsys):
     def behave(n):
-        lp = {"tokens": ["a"] * 4, "token_logprobs": [None] + [-9999.0] * 3, "top_logprobs": [None] + [{"a": -9999.0}] * 3}
-        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": 3}}
+        lp = {"tokens": ["a"] * 512, "token_logprobs": [None] + [-9999.0] * 511,
+              "top_logprobs": [None] + [{"a": -9999.0}] * 511}
+        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": 512}}
 
     s = stub(behave)
     ep = E.Endpoint(s.url)
@@ -763,4 +764,52 @@ def test_perplexity_needs_a_log_probability_for_every_prompt_token(stub):
             return "x" * len(ids)
 
     with pytest.raises(E.EndpointError, match="returned 2 prompt log-probabilities for a prompt of 512 tokens"):
+        E.perplexity(E.Endpoint(stub(behave).url), Tok(), text="x", window=512, max_windows=1)
+
+
+def test_a_resumed_run_holds_the_server_to_the_model_its_journal_answers_named(stub, tmp_path):
+    who = {"name": "fake"}
+    s = stub(lambda n: (200, _completion() | {"model": who["name"]}))
+    journal = tmp_path / "r.requests.jsonl"
+    first = E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(1), journal, top_logprobs=0)
+    assert first[0]["answered_as"] == "fake" and first[0]["error"] is None
+    who["name"] = "fake-v2"  # redeployed between the two runs
+    again = E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(2), journal, top_logprobs=0)
+    assert again[0]["answered_as"] == "fake" and "answered as model 'fake-v2'" in again[1]["error"]
+
+
+def test_a_journal_that_is_a_link_or_another_file_is_refused_and_a_cut_line_is_ended(stub, tmp_path):
+    s = stub(lambda n: (200, _completion()))
+    other = tmp_path / "precious.txt"
+    other.write_text("precious\n")
+    link = tmp_path / "l.requests.jsonl"
+    link.symlink_to(other)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(1), link, top_logprobs=0)
+    foreign = tmp_path / "f.requests.jsonl"
+    foreign.write_text("precious\n")
+    with pytest.raises(ValueError, match="first line is not an answer this command wrote"):
+        E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(1), foreign, top_logprobs=0)
+    assert other.read_text() == foreign.read_text() == "precious\n"
+    journal = tmp_path / "c.requests.jsonl"
+    E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(1), journal, top_logprobs=0)
+    journal.write_text(journal.read_text() + '{"endpoint": "cut sho')  # a run killed mid-write
+    E.run_ladder([E.Endpoint(s.url, model="stub", retries=0)], _prompts(2), journal, top_logprobs=0)
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["key"] and lines[1] == '{"endpoint": "cut sho'
+
+
+def test_perplexity_trusts_the_window_sent_not_a_claimed_token_count(stub):
+    def behave(n):
+        lp = {"tokens": ["a"] * 10, "token_logprobs": [None] + [-1.0] * 9, "top_logprobs": [None] + [{"a": -1.0}] * 9}
+        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": 11}}
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return list(range(600))
+
+        def decode(self, ids):
+            return "x" * len(ids)
+
+    with pytest.raises(E.EndpointError, match="returned 9 prompt log-probabilities for a prompt of 512 tokens"):
         E.perplexity(E.Endpoint(stub(behave).url), Tok(), text="x", window=512, max_windows=1)

@@ -335,7 +335,8 @@ def test_http_09_gets_a_status_line_and_tokenize_refuses_unknown_fields(srv):
     with socket.create_connection((srv.host, srv.port), timeout=10) as s:  # one line, no blank line after it
         s.sendall(b"GET /health\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.0 400 ") and time.time() - t0 < 5  # at once, not at the timeout
-    assert b'"invalid_request_error"' in _raw(srv, b"BREW /pot HTTP/1.1\r\n\r\n")  # 501: the client's mistake
+    brew = _raw(srv, b"BREW /pot HTTP/1.1\r\n\r\n")  # a method it does not know: the client's mistake, a 4xx
+    assert brew.startswith(b"HTTP/1.0 405 ") and b"\"invalid_request_error\"" in brew, brew[:200]
     # a TLS ClientHello (https:// against this plain-HTTP server) has no line to wait for: answered at once
     t0 = time.time()
     head = _raw(srv, bytes.fromhex("16030100c4010000c00303") + bytes(32), wait=10)
@@ -524,6 +525,25 @@ def test_a_second_signal_while_an_idle_server_winds_down_exits_130_not_143(gap):
             proc.kill()
     assert proc.returncode in (0, 130), (proc.returncode, err[-2000:])
     assert "terminate called" not in err and "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_model_loads_is_an_interruption_not_a_kill():
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvlab", "serve", "--model", "kvlab-tiny", "--kv-format", "int8",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "loading" in proc.stdout.readline()  # printed once the handler is in place, before the model loads
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130), (proc.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
 
 
 def test_an_explicit_null_is_the_default_for_every_optional_field(srv):
