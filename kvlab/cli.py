@@ -492,7 +492,9 @@ def _serve(args, before) -> int:
             print("kvlab: forced to stop; the request in progress gets no answer", file=sys.stderr, flush=True)
             os._exit(130)
     finally:
-        if stopping:  # no step is running now: a second signal while the process winds down exits 130 at once
+        if stopping and getattr(args, "whole_process", False):
+            # no step is running now: a second signal while the process winds down exits 130 at once (only in the
+            # `kvlab` process itself: a call from Python must leave the caller's signal handlers as they were)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: os._exit(130))
         else:

@@ -414,8 +414,13 @@ def test_serve_keeps_waiting_for_a_step_that_outlasts_the_first_wait(capsys, mon
 
     monkeypatch.setattr(CompletionServer, "serve_forever", serve_forever)
     monkeypatch.setattr(CompletionServer, "stop_generating", lambda self, timeout=60: calls.append(timeout) or len(calls) > 1)
+    import signal
+
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     assert run(["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--port", "0"]) == 0
     assert calls == [30, 30] and "still waiting for the model" in capsys.readouterr().err
+    # called from Python (not the `kvlab` process), it leaves the caller's signal handlers as they were
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
 
 
 def test_out_paths_that_fail_inside_the_os_get_one_line(tmp_path, capsys):
