@@ -64,7 +64,7 @@ class Stub:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()  # quick to shut down
 
     def close(self):
         self.stop.set()
@@ -248,7 +248,7 @@ class FlakyProxy:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()  # quick to shut down
 
     def close(self):
         self.httpd.shutdown()
@@ -526,7 +526,7 @@ def test_timeout_bounds_the_whole_answer_not_each_read():
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
     httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True).start()
     try:
         _gives_up_in_time(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=1.0)
     finally:
