@@ -542,16 +542,8 @@ def test_perplexity_beyond_float_range_is_an_error_and_the_ladder_is_still_writt
 
     s = stub(behave)
     ep = E.Endpoint(s.url)
-
-    class Tok:
-        def encode(self, text, add_special_tokens=False):
-            return list(range(600))
-
-        def decode(self, ids):
-            return "x" * len(ids)
-
     with pytest.raises(E.EndpointError, match="beyond float range"):
-        E.perplexity(ep, Tok(), text="x", window=512, max_windows=1)
+        E.perplexity(ep, _WindowTok(), text="x", window=512, max_windows=1)
     out = tmp_path / "o.json"
     rc = main(["niah", "--endpoint", s.url, "--model", "smollm2-135m", "--lengths", "256", "--trials", "1",
                "--depths", "0.5", "--ppl-windows", "1", "--out", str(out)])
@@ -750,23 +742,6 @@ def test_a_log_probability_of_thousands_of_digits_is_out_of_range_not_not_json(s
     assert E._json_or_none(b'{"a": ' + b"9" * 5000 + b"}")["a"] == float("inf")
 
 
-def test_perplexity_needs_a_log_probability_for_every_prompt_token(stub):
-    """A server that echoes 2 prompt log-probabilities for a 512-token window does not get a perplexity."""
-    def behave(n):
-        lp = {"tokens": ["a"] * 3, "token_logprobs": [None, -1.0, -1.0], "top_logprobs": [None, {"a": -1.0}, {"a": -1.0}]}
-        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": 512}}
-
-    class Tok:
-        def encode(self, text, add_special_tokens=False):
-            return list(range(600))
-
-        def decode(self, ids):
-            return "x" * len(ids)
-
-    with pytest.raises(E.EndpointError, match="returned 2 prompt log-probabilities for a prompt of 512 tokens"):
-        E.perplexity(E.Endpoint(stub(behave).url), Tok(), text="x", window=512, max_windows=1)
-
-
 def test_a_resumed_run_holds_the_server_to_the_model_its_journal_answers_named(stub, tmp_path):
     who = {"name": "fake"}
     s = stub(lambda n: (200, _completion() | {"model": who["name"]}))
@@ -799,17 +774,24 @@ def test_a_journal_that_is_a_link_or_another_file_is_refused_and_a_cut_line_is_e
     assert len(lines) == 3 and json.loads(lines[2])["key"] and lines[1] == '{"endpoint": "cut sho'
 
 
-def test_perplexity_trusts_the_window_sent_not_a_claimed_token_count(stub):
+class _WindowTok:
+    """A tokenizer stand-in for the perplexity rung: 600 tokens of any text, decoded as one character each."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(range(600))
+
+    def decode(self, ids):
+        return "x" * len(ids)
+
+
+@pytest.mark.parametrize("returned, claimed", [(3, 512), (10, 11)])
+def test_perplexity_needs_a_log_probability_for_every_token_of_the_window_sent(stub, returned, claimed):
+    """A server that echoes 2 prompt log-probabilities for a 512-token window gets no perplexity, whether it counts
+    the prompt honestly (512) or claims a count that matches what it returned (11)."""
     def behave(n):
-        lp = {"tokens": ["a"] * 10, "token_logprobs": [None] + [-1.0] * 9, "top_logprobs": [None] + [{"a": -1.0}] * 9}
-        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": 11}}
+        lp = {"tokens": ["a"] * returned, "token_logprobs": [None] + [-1.0] * (returned - 1),
+              "top_logprobs": [None] + [{"a": -1.0}] * (returned - 1)}
+        return 200, {"choices": [{"text": "12345", "logprobs": lp}], "usage": {"prompt_tokens": claimed}}
 
-    class Tok:
-        def encode(self, text, add_special_tokens=False):
-            return list(range(600))
-
-        def decode(self, ids):
-            return "x" * len(ids)
-
-    with pytest.raises(E.EndpointError, match="returned 9 prompt log-probabilities for a prompt of 512 tokens"):
-        E.perplexity(E.Endpoint(stub(behave).url), Tok(), text="x", window=512, max_windows=1)
+    with pytest.raises(E.EndpointError, match=f"returned {returned - 1} prompt log-probabilities for a prompt of 512 tokens"):
+        E.perplexity(E.Endpoint(stub(behave).url), _WindowTok(), text="x", window=512, max_windows=1)

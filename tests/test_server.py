@@ -519,7 +519,17 @@ def test_a_second_signal_while_an_idle_server_winds_down_exits_130_not_143(gap):
         time.sleep(gap)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+    except BaseException:
+        proc.kill()
+        raise
+    _assert_stopped_cleanly(proc)
+
+
+def _assert_stopped_cleanly(proc):
+    """Wait for a signalled ``kvlab serve`` (killing it if it hangs): exit 0 or 130, never a kill by signal, a
+    traceback or an abort inside torch."""
+    try:
+        _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -538,12 +548,10 @@ def test_sigterm_while_the_model_loads_is_an_interruption_not_a_kill():
     try:
         assert "loading" in proc.stdout.readline()  # printed once the handler is in place, before the model loads
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode in (0, 130), (proc.returncode, err[-2000:])
-    assert "Traceback" not in err, err[-2000:]
+    except BaseException:
+        proc.kill()
+        raise
+    _assert_stopped_cleanly(proc)
 
 
 def test_an_explicit_null_is_the_default_for_every_optional_field(srv):
