@@ -228,6 +228,11 @@ def switch_md(row: dict, baseline: str = "bf16") -> str:
         f"    --tokenizer YOUR/MODEL {row['eval_args']} --out {name}-vs-{baseline}.json\n```")
 
 
+def short_model_name(name: str) -> str:
+    """A model's name as a table column says it: "SmolLM2-135M-Instruct" -> "SmolLM2", "Gemma 3 270M" -> "Gemma"."""
+    return name.split()[0].split("-")[0]
+
+
 def markdown(rows: list[dict], quality: bool = True) -> str:
     """The decision table as Markdown (numbers rounded for reading); ``quality=False`` leaves out the risk columns
     (chapter 4's paired needle verdict and perplexity change, one value per model, in the models' order)."""
@@ -236,7 +241,7 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
     head = "| format | bits | whole load's cache | load fits one GPU | most sequences | step | tokens/s | vs first |"
     rule = "|---|---:|---:|---|---:|---:|---:|---:|"
     if quality:
-        who = " · ".join(m.split()[0].split("-")[0] for m in models)
+        who = " · ".join(short_model_name(m) for m in models)
         head += f" needle held ({who}) | perplexity ({who}) |"
         rule += "---|---|"
     out = [head, rule]

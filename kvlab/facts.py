@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .decide import short_model_name
 from .results import PPL_TOLERANCE
 
 LADDER_PPL_WINDOWS = 4  # held-out windows the ladder sweep's perplexity read (scripts/sweep_evals.py)
@@ -1012,7 +1013,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["never_both_kvlab_md"] = names_md([f for f in values["never_both"] if not any(engine_options(f).values())])
     # what "no loss detected" still allows: each of those formats' discordant prompts, every single-needle prompt
     def short(m):
-        return m["name"].split()[0].split("-")[0]
+        return short_model_name(m["name"])
 
     n_pooled = {short(m): {m["pooled"][f].prompts for f in values["never_both"]} for m in both}
     uniform = all(len(v) == 1 for v in n_pooled.values())  # every format pooled the same prompts on a model
@@ -1198,7 +1199,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     sweeps = sweeps or {m: LongSweep.load(path) for m, path in LONG_SWEEPS.items()}
     mfs = [_model_facts(sw) for sw in sweeps.values()]
     risk = paired_risk(model_facts=mfs)
-    short = {m: m.split()[0].split("-")[0] for m in risk}  # "SmolLM2", "Gemma"
+    short = {m: short_model_name(m) for m in risk}  # "SmolLM2", "Gemma"
     fmts = CH5_QUALITY_FORMATS
     needle = {f: {short[m]: "reference" if f in REFERENCE_FORMATS else r["needle"][f] for m, r in risk.items()}
               for f in fmts}
@@ -1389,12 +1390,12 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "s_int4": needle_label(smol, "int4"), "g_int4": needle_label(gemma, "int4"), "s_q4_0": needle_label(smol, "q4_0"),
         "min_detect": fewest_prompts_to_detect(),
         # the paired tests a format must pass on each model: each length in each single-needle haystack, and pooled
-        "n_tests": {mf["name"].split()[0].split("-")[0]: len(mf["lengths"]) + len(mf["prose"]["lengths"]) + 1
+        "n_tests": {short_model_name(mf["name"]): len(mf["lengths"]) + len(mf["prose"]["lengths"]) + 1
                     for mf in (smol, gemma)},
         "grown_layout": _layout(plans_grown["bf16"]) if plans_grown.get("bf16") else "—",
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
         "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
-                                      f"{mf['name'].split()[0].split('-')[0]}" for mf in (smol, gemma)) if call else "—",
+                                      f"{short_model_name(mf['name'])}" for mf in (smol, gemma)) if call else "—",
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
         "prompts": smol["prompts"] if smol["prompts_all"] == gemma["prompts_all"] and len(smol["prompts_all"]) == 1 else None,
         "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
@@ -1474,7 +1475,7 @@ def _plans_md(plans: dict, by: dict) -> str:
     """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk on each of
     chapter 4's models (paired needle verdict, perplexity change), the engines that offer it."""
     models = next((list(r["quality"]["models"]) for r in by.values() if r["quality"].get("models")), [])
-    who = " · ".join(m.split()[0].split("-")[0] for m in models)
+    who = " · ".join(short_model_name(m) for m in models)
     rows = [f"| format | GPUs | layout | spare | tokens/s | $ / M tokens | needle, paired ({who}) | perplexity ({who}) "
             "| offered by |", "|---|---:|---|---:|---:|---:|---|---|---|"]
     for f, p in plans.items():
