@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import budget as B
 from .formats import format_names, get_format
-from .paths import WriteError, out_problem, read_text
+from .paths import WriteError, out_problem, read_text, shown_path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,10 +40,27 @@ MAX_LENGTH = 1 << 20  # tokens in one prompt: past every model here (a larger on
 MAX_REQUESTS = 1_000_000  # serve-sim replays this many at most (about a minute of simulation on a laptop)
 
 
+MAX_NUMBER_CHARS = 40  # a number flag longer than this is refused before it is parsed
+
+
+def _number_text(text, what: str, name: str = "") -> str:
+    """``text`` stripped, refused when int() or float() would read it in a surprising way: digits from another
+    script ("４" is 4 to Python) or thousands of characters (a 5,000-digit integer; "9" * 400 as a float is inf)."""
+    s = text.strip()
+    flag = f"{name} " if name else ""
+    if not s.isascii():
+        raise argparse.ArgumentTypeError(f"{flag}must be {what} written in ASCII digits, got {_shown(repr(text))}")
+    if len(s) > MAX_NUMBER_CHARS:
+        raise argparse.ArgumentTypeError(f"{flag}must be {what} of at most {MAX_NUMBER_CHARS} characters, got "
+                                         f"{len(s):,} characters ({_shown(s, 20)})")
+    return s
+
+
 def _int(name, minimum, maximum=None):
     def parse(text):
+        s = _number_text(text, "an integer", name)
         try:
-            v = int(text)
+            v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if v < minimum:
@@ -56,8 +73,9 @@ def _int(name, minimum, maximum=None):
 
 
 def _fraction(text):
+    s = _number_text(text, "a number")
     try:
-        v = float(text)
+        v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     if not 0 < v <= 1:
@@ -175,7 +193,7 @@ def cmd_formats(args) -> int:
 def _int_list(name):
     def parse(text):
         try:
-            vals = [int(x) for x in text.split(",")]
+            vals = [int(_number_text(x, "an integer", name)) for x in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
         if not vals or min(vals) < 1:
@@ -191,7 +209,7 @@ def _int_list(name):
 
 def _depth_list(text):
     try:
-        vals = [float(x) for x in text.split(",")]
+        vals = [float(_number_text(x, "a number", "--depths")) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--depths must be comma-separated numbers, got {text!r}") from None
     if not vals or any(not 0 <= v <= 1 for v in vals):
@@ -320,7 +338,7 @@ def cmd_niah_endpoint(args) -> int:
     from .paths import result_path
 
     if result_path(out).name.endswith(".requests.jsonl"):  # a run's journal (through a link too): not a result
-        print(f"kvlab: error: --out {args.out}: a name ending in .requests.jsonl is a run's journal; give the "
+        print(f"kvlab: error: --out {shown_path(args.out)}: a name ending in .requests.jsonl is a run's journal; give the "
               "result's own name (e.g. result.json, whose journal is result.requests.jsonl)", file=sys.stderr)
         return 2
     interrupted = False
@@ -332,10 +350,10 @@ def cmd_niah_endpoint(args) -> int:
         too_long = len(journal.name.encode()) > os.pathconf(journal.parent, "PC_NAME_MAX")
         same = os.path.realpath(journal) == os.path.realpath(out)
     except OSError as e:
-        print(f"kvlab: error: --out {args.out}: its journal {journal}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
+        print(f"kvlab: error: --out {shown_path(args.out)}: its journal {journal}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
         return 2
     if too_long or same:
-        print(f"kvlab: error: --out {args.out}: its journal {journal.name} "
+        print(f"kvlab: error: --out {shown_path(args.out)}: its journal {journal.name} "
               + ("is a name too long for the folder; give a shorter --out" if too_long else
                  "is a link to the result file itself (each would destroy the other); remove the link"),
               file=sys.stderr)
@@ -382,8 +400,9 @@ def cmd_niah_endpoint(args) -> int:
     try:
         write_json(out, doc)
     except WriteError as e:  # the answers are in the journal (a rerun resumes); show the result too
-        print(f"kvlab: error: --out {e}; the result follows on stdout (the answers stay in {journal})",
-              file=sys.stderr)
+        kept = (f"the answers stay in {shown_path(journal)}" if journal.is_file() else
+                f"the journal {shown_path(journal)} is gone too: a rerun asks every request again")
+        print(f"kvlab: error: --out {e}; the result follows on stdout ({kept})", file=sys.stderr)
         print(json.dumps(doc, indent=1, allow_nan=False))
         return 1
     failed = sum(len(v) for v in doc["errors"].values())
@@ -552,27 +571,34 @@ def _shown(text, limit: int = 40) -> str:
 
 
 def _positive_float(text):
+    s = _number_text(text, "a number")
     try:
-        v = float(text)
+        v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
     if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {_shown(v)}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
     return v
+
+
+MIN_TIMEOUT_S = 0.001  # a shorter --timeout could never see an answer (5e-324 is > 0 too)
 
 
 def _seconds(allow_zero: bool):
     """A duration flag (--timeout, --backoff): finite, at most a day (:data:`kvlab.endpoint.MAX_TIMEOUT_S`)."""
     def parse(text):
+        s = _number_text(text, "a number of seconds")
         try:
-            v = float(text)
+            v = float(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number of seconds, got {_shown(repr(text))}") from None
         from .endpoint import MAX_TIMEOUT_S
 
         if not (0 <= v <= MAX_TIMEOUT_S) or (v == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'} and at most "
-                                             f"{MAX_TIMEOUT_S:g} seconds (a day), got {_shown(v)}")
+                                             f"{MAX_TIMEOUT_S:g} seconds (a day), got {s}")
+        if not allow_zero and v < MIN_TIMEOUT_S:
+            raise argparse.ArgumentTypeError(f"must be at least {MIN_TIMEOUT_S:g} seconds, got {s}")
         return v
     return parse
 
@@ -608,7 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--trials", type=_int("--trials", 1, 10_000), default=5, help="prompts per cell")
     n.add_argument("--task", choices=["passkey", "chain"], default="passkey")
     n.add_argument("--hops", type=_int("--hops", 1, 50), default=2, help="links to follow (chain task)")
-    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--seed", type=_int("--seed", 0, 2**32 - 1), default=0)
     n.add_argument("--haystack", choices=["filler", "prose"], default="filler",
                    help="repeated filler sentences, or English text (CPython's docstrings; passkey task)")
     n.add_argument("--haystack-file", help="cut the haystack from this UTF-8 text file instead (e.g. text like "
@@ -668,7 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-utilization", default=0.9, type=_fraction)
     s.add_argument("--gpu-hour-usd", default=None, type=_positive_float,
                    help="price of one GPU-hour in dollars (default: the GPU's listed price, see data/presets/gpus.json)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_int("--seed", 0, 2**32 - 1), default=0)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_serve_sim)
 

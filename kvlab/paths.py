@@ -14,6 +14,15 @@ MODEL_DIR = DATA_DIR / "model"  # kvlab-tiny, the unit-test model
 CORPUS_DIR = DATA_DIR / "corpus"
 
 
+def shown_path(path: str | Path, limit: int = 120) -> str:
+    """``path`` as an error line quotes it: a 4,000-character path keeps its two ends and says how long it was."""
+    text = str(path)
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]}...{text[-half:]} ({len(text):,} characters)"
+
+
 def _special(absolute: str) -> bool:
     """A path under /dev or /proc: devices and process streams (/dev/shm, a plain tmpfs, is not one)."""
     parts = Path(absolute).parts
@@ -37,11 +46,11 @@ def out_problem(path: str | Path, flag: str = "--out") -> str | None:
     if not str(path).strip():
         return f"{flag} is empty"
     if str(path).endswith(("/", "/.", "/..")) or str(path) in (".", ".."):
-        return f"{flag} {path}: names a folder, not a file"
+        return f"{flag} {shown_path(path)}: names a folder, not a file"
     try:
         return _out_problem(path, flag)
     except OSError as e:  # a name too long, a folder we may not search: one line, not a traceback
-        return f"{flag} {path}: {(e.strerror or str(e)).lower()}"
+        return f"{flag} {shown_path(path)}: {(e.strerror or str(e)).lower()}"
 
 
 def _out_problem(path: str | Path, flag: str) -> str | None:
@@ -50,26 +59,26 @@ def _out_problem(path: str | Path, flag: str) -> str | None:
             os.stat(path)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                return f"{flag} {path}: is a loop of symbolic links"
+                return f"{flag} {shown_path(path)}: is a loop of symbolic links"
     if any(_special(x) for x in (os.path.abspath(path), os.path.realpath(path))):
-        return (f"{flag} {path}: is a device or a process's stream, not a regular file (a result is written to a "
+        return (f"{flag} {shown_path(path)}: is a device or a process's stream, not a regular file (a result is written to a "
                 f"temporary file and renamed into place; give a file path)")
     out = result_path(path)
     if out.is_dir():
-        return f"{flag} {path}: is a directory"
+        return f"{flag} {shown_path(path)}: is a directory"
     if not out.parent.is_dir():
         what = "is not a folder" if out.parent.exists() else "does not exist"
-        return f"{flag} {path}: {str(out.parent)!r} {what}"
+        return f"{flag} {shown_path(path)}: {shown_path(out.parent)!r} {what}"
     if out.exists() and not out.is_file():
-        return f"{flag} {path}: exists and is not a regular file"
+        return f"{flag} {shown_path(path)}: exists and is not a regular file"
     if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        return f"{flag} {path}: is not writable"
+        return f"{flag} {shown_path(path)}: is not writable"
     try:  # access() says yes to root everywhere (/proc included): create a file there to be sure
         fd, probe = tempfile.mkstemp(dir=out.parent, suffix=".probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        return f"{flag} {path}: cannot create a file in {str(out.parent)!r} ({e.strerror or e})"
+        return f"{flag} {shown_path(path)}: cannot create a file in {shown_path(out.parent)!r} ({e.strerror or e})"
     return None
 
 
@@ -81,17 +90,17 @@ def read_text(path: str | Path, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> s
     or a pipe never ends), at most ``max_bytes``, not empty."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{flag} {path}: " + ("is not a regular file (a device or a pipe has no end to read to)"
+        raise ValueError(f"{flag} {shown_path(path)}: " + ("is not a regular file (a device or a pipe has no end to read to)"
                                                if p.exists() else "no such file"))
     size = p.stat().st_size
     if size > max_bytes:
-        raise ValueError(f"{flag} {path}: {size:,} bytes, more than the {max_bytes:,} this reads")
+        raise ValueError(f"{flag} {shown_path(path)}: {size:,} bytes, more than the {max_bytes:,} this reads")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag} {path}: cannot read it as UTF-8 text ({e})") from None
+        raise ValueError(f"{flag} {shown_path(path)}: cannot read it as UTF-8 text ({e})") from None
     if not text.strip():
-        raise ValueError(f"{flag} {path}: the file is empty")
+        raise ValueError(f"{flag} {shown_path(path)}: the file is empty")
     return text
 
 
@@ -122,7 +131,7 @@ def write_json(path: str | Path, doc) -> None:
         os.replace(tmp, path)
     except OSError as e:  # a full disk, a quota: say which file, in one line (callers keep the result elsewhere)
         Path(tmp).unlink(missing_ok=True)
-        raise WriteError(f"{path}: could not write it ({e.strerror or e})") from None
+        raise WriteError(f"{shown_path(path)}: could not write it ({e.strerror or e})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -4,7 +4,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvlab import cli
 from kvlab.cli import main
 
 
@@ -464,3 +467,56 @@ def test_a_server_listing_thousands_of_models_is_named_briefly():
 
     text = _ids([f"m{i}" for i in range(100_000)])
     assert text.startswith("m0, m1") and text.endswith("(100,000 in all)") and len(text) < 120
+
+
+# every number flag's parser, on any text: a value within its bounds, or one short line that names the problem
+_NUMBER_PARSERS = {
+    "--batch": lambda: cli._int("--batch", 1, 10**7), "--timeout": lambda: cli._seconds(False),
+    "--backoff": lambda: cli._seconds(True), "--gpu-hour-usd": lambda: cli._positive_float,
+    "--memory-utilization": lambda: cli._fraction, "--lengths": lambda: cli._int_list("--lengths"),
+    "--depths": lambda: cli._depth_list,
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(flag=st.sampled_from(sorted(_NUMBER_PARSERS)),
+       text=st.one_of(st.text(max_size=60), st.from_regex(r"-?[0-9０-９]{1,60}(\.[0-9]*)?(e-?[0-9]{1,4})?", fullmatch=True),
+                      st.builds(lambda n: "9" * n, st.integers(1, 6000))))
+def test_number_flags_take_a_value_in_bounds_or_refuse_in_one_short_line(flag, text):
+    import argparse
+    import math
+
+    parse = _NUMBER_PARSERS[flag]()
+    try:
+        v = parse(text)
+    except argparse.ArgumentTypeError as e:
+        msg = str(e)
+        assert "\n" not in msg and len(msg) < 200, msg
+        return
+    assert text.strip().isascii()  # "４" (a full-width digit) is not taken for 4
+    for x in (v if isinstance(v, list) else [v]):
+        assert math.isfinite(x) and x >= 0
+    if flag == "--timeout":
+        assert cli.MIN_TIMEOUT_S <= v <= 86400
+    if flag == "--batch":
+        assert 1 <= v <= 10**7 and isinstance(v, int)
+
+
+def test_number_flags_name_what_is_wrong(capsys):
+    for argv, needle in ((["budget", "--batch", "４"], "ASCII digits"),
+                         (["budget", "--batch", "9" * 5000], "at most 40 characters, got 5,000 characters"),
+                         (["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "9" * 400], "at most 40 characters"),
+                         (["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "1e999"], "got 1e999"),
+                         (["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "5e-324"], "at least 0.001 seconds"),
+                         (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--seed", "-1"], "--seed must be >= 0")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, (argv[:3], err)
+
+
+def test_a_long_out_path_is_cut_in_the_error(tmp_path, capsys):
+    long = str(tmp_path / "no-such-folder" / ("z" * 240)) + "/" + "y" * 3800 + ".json"
+    assert cli.main(["niah", "--endpoint", "http://127.0.0.1:1", "--out", long]) == 2
+    err = capsys.readouterr().err
+    assert "characters)" in err and len(err) < 600 and err.count("\n") == 1

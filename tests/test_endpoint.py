@@ -455,6 +455,29 @@ def test_cli_warns_when_the_server_counts_other_prompt_lengths(stub, tmp_path, c
     assert rc == 0 and "warning" in capsys.readouterr().err
 
 
+def test_a_result_whose_folder_was_deleted_goes_to_stdout_and_says_the_journal_went_too(stub, tmp_path, capsys,
+                                                                                        monkeypatch):
+    import shutil
+
+    import kvlab.paths
+
+    s = stub(lambda n: (200, _completion()))
+    folder = tmp_path / "d"
+    folder.mkdir()
+    real = kvlab.paths.write_json
+
+    def after_deleting_the_folder(path, doc):  # the folder goes during the run: journal and all
+        shutil.rmtree(folder)
+        real(path, doc)
+
+    monkeypatch.setattr(kvlab.paths, "write_json", after_deleting_the_folder)
+    rc = main(["niah", "--endpoint", s.url, "--model", "smollm2-135m", "--lengths", "256", "--trials", "1",
+               "--out", str(folder / "o.json")])
+    cap = capsys.readouterr()
+    assert rc == 1 and json.loads(cap.out)["lengths"] == [256]
+    assert "is gone too" in cap.err and "stay in" not in cap.err
+
+
 @pytest.mark.slow  # a subprocess that imports the model stack: 5 s of make quick's minute
 def test_ctrl_c_on_the_cli_exits_130_with_one_line(stub, tmp_path):
     import signal
