@@ -1186,6 +1186,12 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     blocks = {f: S.pool_blocks(CH5_MODEL, CH5_GPU, f)[0] for f in CH5_FORMATS}
     curves = S.hit_rate_vs_pool(reqs, CH5_MODEL, CH5_SWEEP_GPU, CH5_FORMATS, CH5_POOLS_GIB)
     int4_at_1 = curves["int4"][CH5_POOLS_GIB.index(1)]
+    # the working set in GiB: blocks read by more than one request, and every distinct block the trace writes
+    ws = {f: {k: v / gib for k, v in S.working_set(reqs, CH5_MODEL, f).items()} for f in CH5_FORMATS}
+    ceiling = max(y[-1] for y in curves.values())
+    # each curve at the first pool that holds the reused blocks, and at the largest pool below every distinct block
+    at_reused = {f: next(y for g, y in zip(CH5_POOLS_GIB, curves[f]) if g >= ws[f]["reused"]) for f in CH5_FORMATS}
+    below_distinct = {f: [y for g, y in zip(CH5_POOLS_GIB, curves[f]) if g <= ws[f]["distinct"]][-1] for f in CH5_FORMATS}
     bf16_scaled = S.simulate(reqs, CH5_MODEL, CH5_SWEEP_GPU, "bf16", pool_bytes=int(gib * 16 / 4.5)).hit_rate
     split = {r["kv_format"]: r for r in cost_split(reqs, CH5_MODEL, CH5_GPU, CH5_FORMATS[1:])}
     l4 = B.get_gpu(CH5_GPU)
@@ -1230,6 +1236,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "blocks": blocks, "curves": curves, "pools": CH5_POOLS_GIB, "split": split, "table": table,
         "price": l4.usd_per_hour, "price_source": l4.price_source,
         "bf16_scaled_hit": bf16_scaled, "int4_hit_1gib": int4_at_1,
+        "ws": ws, "ceiling": ceiling, "ws_gap_points": 100 * min(ceiling - y for y in at_reused.values()),
         "fp8_blocks_x": blocks["fp8_e4m3"] / blocks["bf16"], "int4_blocks_x": blocks["int4"] / blocks["bf16"],
         "b": b, "f8": f8, "i4": i4, "gain_f8": 100 * gain["fp8_e4m3"], "gain_i4": 100 * gain["int4"],
         "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_engines),
@@ -1257,6 +1264,10 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "smaller KV hits more when memory is tight": _claim(curves["int4"][0] > curves["fp8_e4m3"][0] > curves["bf16"][0]),
         "the gain vanishes once the working set fits (within 1 point)":
             _claim(max(y[-1] for y in curves.values()) - min(y[-1] for y in curves.values()) < 0.01),
+        "a pool that holds the reused blocks is still more than 3 points below the ceiling, in every format":
+            _claim(all(ceiling - y > 0.03 for y in at_reused.values()), at_reused),
+        "a pool that holds about every distinct block is within 1 point of the ceiling, in every format":
+            _claim(all(ceiling - y < 0.01 for y in below_distinct.values()), below_distinct),
         "BF16 in 16/4.5 GiB hits as often as INT4 in 1 GiB (within half a point)":
             _claim(abs(bf16_scaled - int4_at_1) < 0.005, (bf16_scaled, int4_at_1)),
         "FP8 and INT4 save over 15% with no hits at all, INT4 more":

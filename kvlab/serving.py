@@ -23,6 +23,7 @@ from .simulator import (
     pool_blocks,
     request_from_tokens,
     simulate,
+    working_set,
 )
 from .traces import load_trace
 from .workloads import (
@@ -38,4 +39,4 @@ from .workloads import (
 __all__ = ["BlockPool", "CostModel", "cost_split", "Request", "SimResult", "WORKLOADS", "block_hashes", "cost_table",
            "cost_table_html", "few_shot", "hit_rate_vs_pool", "load_trace", "multi_turn_chat", "pool_blocks",
            "quality_by_length", "rag", "request_from_tokens", "shared_system_prompt", "simulate",
-           "without_sharing"]
+           "without_sharing", "working_set"]

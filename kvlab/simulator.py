@@ -397,6 +397,22 @@ def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_
 # --------------------------------------------------------------------------- sweeps for the chapter
 
 
+def working_set(requests: list[Request], model, kv_format, *, block_size=16) -> dict[str, int]:
+    """The bytes a prefix cache would need for ``requests`` in ``kv_format``: ``"reused"``, the blocks that more
+    than one request's prompt holds (what sharing can save), and ``"distinct"``, every different prompt block
+    the trace writes (what an LRU pool, which cannot tell which block will come back, must hold before nothing
+    useful is ever evicted). ``{"reused": bytes, "distinct": bytes, "block_bytes": bytes}``."""
+    from collections import Counter
+
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    _check_requests(requests, block_size)
+    block_bytes = B.budget(model, 1, block_size, kv_format).bytes_per_token * block_size
+    seen = Counter(h for r in requests for h in set(r.prompt_hashes))
+    return {"reused": block_bytes * sum(n > 1 for n in seen.values()), "distinct": block_bytes * len(seen),
+            "block_bytes": block_bytes}
+
+
 def hit_rate_vs_pool(requests: list[Request], model, gpu, formats, pool_gib: list[float], *,
                      weights_dtype="bf16", block_size=16) -> dict[str, list[float]]:
     """Prefix hit rate for each format as the pool's *bytes* grow (same bytes -> more blocks in a smaller format)."""

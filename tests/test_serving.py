@@ -36,6 +36,22 @@ def test_unbounded_pool_hit_rate_is_fraction_of_blocks_seen_before():
     assert res.block_hit_rate == pytest.approx(hits / total)
 
 
+def test_working_set_counts_reused_and_distinct_blocks_and_an_lru_pool_needs_the_distinct_ones():
+    a, b, c = list(range(1, 9)), list(range(9, 17)), list(range(30, 38))
+    reqs = seq(a, a + b, c, a + b, block=4)  # blocks A,B reused; A,B,C,D,E,F distinct
+    ws = S.working_set(reqs, "llama-3.1-8b", "bf16", block_size=4)
+    assert ws["block_bytes"] == B.budget("llama-3.1-8b", 1, 4, "bf16").bytes_per_token * 4
+    assert ws["reused"] == 4 * ws["block_bytes"] and ws["distinct"] == 6 * ws["block_bytes"]
+    assert S.working_set(reqs, "llama-3.1-8b", "int4", block_size=4)["distinct"] < ws["distinct"] / 3
+    # with a pool of every distinct block (and room to decode) nothing useful is evicted: every repeat hits
+    big = S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=4, num_blocks=12)
+    assert [r["cached_tokens"] for r in big.requests] == [0, 8, 0, 16]
+    with pytest.raises(ValueError, match="block_size"):
+        S.working_set(reqs, "llama-3.1-8b", "bf16", block_size=0)
+    with pytest.raises(ValueError, match="no requests"):
+        S.working_set([], "llama-3.1-8b", "bf16")
+
+
 def test_lru_hit_rate_never_drops_as_the_pool_grows():
     reqs = S.rag(n=150, docs=40, doc_len=64, block_size=16, output_len=4, rate=0.001, seed=1)  # one at a time
     rates = [S.simulate(reqs, "llama-3.1-8b", "H100-80GB", "bf16", block_size=16, num_blocks=n).hit_rate
