@@ -317,6 +317,7 @@ def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_
     reqs = sorted(requests, key=lambda r: r.arrival)
     i, now, conc_time, reserved = 0, reqs[0].arrival, 0.0, 0  # the clock starts at the first arrival
     bytes_per_token = block_bytes / block_size
+    tokens_held = 0  # prompt + generated tokens of every running request (what one decode step reads)
     while i < len(reqs) or queue or running:
         if not running and not queue and i < len(reqs):
             now = max(now, reqs[i].arrival)
@@ -348,6 +349,7 @@ def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_
             grow = need_total - len(blocks)
             reserved += grow
             running.append(_Running(r, blocks, 0, grow))
+            tokens_held += r.prompt_len
             prefill += r.prompt_len - hit * block_size
             res.requests.append({"rid": r.rid, "prompt_tokens": r.prompt_len, "cached_tokens": hit * block_size,
                                  "recomputed_tokens": r.prompt_len - hit * block_size,
@@ -358,7 +360,7 @@ def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_
                 continue
             break
         # one engine step: the prefill above, plus one decode token per running request
-        cache_read = sum((x.req.prompt_len + x.generated) * bytes_per_token for x in running)
+        cache_read = tokens_held * bytes_per_token
         dt = cost.step_seconds(prefill, cache_read, decoding=True)
         res.peak_concurrency = max(res.peak_concurrency, len(running))
         conc_time += len(running) * dt
@@ -379,10 +381,12 @@ def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_
                 if x.blocks[-1] is None:
                     pool.seal(h)
                     x.blocks[-1] = h
+            tokens_held += 1
             if x.generated >= x.req.output_len:
                 for h in x.blocks:
                     pool.release(h)
                 reserved -= x.reserved
+                tokens_held -= pos
             else:
                 still.append(x)
         running = still
