@@ -277,6 +277,9 @@ def _model_facts(sweep) -> dict:
     # never worse at one length in either haystack, yet worse once every length is pooled: a small loss
     pooled_only = [n for n in f["never"] if n not in prose_worse and pooled[n].verdict == "worse"]
     intervals = {n: sweep.perplexity_interval(n) for n in ppl}  # 90% bootstrap over the passages read
+    # each verdict rests on several tests (a length in each haystack, and pooled): those still "worse" after Holm
+    tests = {n: sweep.needle_tests(n, SINGLE_NEEDLE) for n in f["by"]}
+    holm_worse = {n: sweep.worse_after_holm(n, SINGLE_NEEDLE) for n in f["by"]}
     for n in pooled_only:  # never worse at one length in either haystack, yet worse pooled: say both
         f["status"][n] = f"never worse at one length, worse pooled (−{pooled[n].lost} +{pooled[n].gained})"
     return f | {
@@ -294,6 +297,10 @@ def _model_facts(sweep) -> dict:
         **{f"{st}_pooled": {f: sweep.paired_pooled(st, f) for f in sweep.formats if f != "fp32"}
            if sweep.lengths(st) else {} for st in ("multikey", "orders")},
         "pooled": pooled, "held": held, "pooled_only": pooled_only,
+        "needle_tests": tests, "n_needle_tests": {len(t) for t in tests.values()},
+        # called worse by the paired rule, yet by no test once Holm corrects for how many tests a format faces
+        "holm_rescued": [n for n in f["by"] if n not in held and not holm_worse[n]],
+        "min_p": {n: min(t.p for t in ts.values()) for n, ts in tests.items()},
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
                                         "paired": sweep.paired("cached", f, n, f, "filler")}
@@ -1006,6 +1013,34 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                                                      f"{m['pooled'][f].prompts} prompts, p = {m['pooled'][f].p:.3f}"
                                                   for f in fs})
         for m in both if (fs := values["pooled_only"][m["name"]]))
+    # a harmless format facing every test of its verdict fails one by chance more often than 5%: Holm's correction
+    rescued = {m["name"]: m["holm_rescued"] for m in both}
+    values["holm_rescued"] = rescued
+    same = all(set(rescued[m["name"]]) == set(m["pooled_only"]) for m in both)  # exactly the pooled-only losses
+    values["holm_md"] = ("Corrected for that number (Holm's method: 5% for a format's whole family of tests), "
+                         + ("the pooled-only verdicts above would not stand, and every other verdict would. Each of "
+                            f"those formats misses the perplexity bar by more than twice its {PPL_TOLERANCE:.0%} "
+                            "anyway (4.2), so no advice below changes." if same and any(rescued.values()) else
+                            "; ".join(f"on {m['name']}, " + names_md(fs, notes={f: f"lowest p = {m['min_p'][f]:.3f}"
+                                                                                for f in fs})
+                                      for m in both if (fs := rescued[m["name"]]))
+                            + " would no longer be called worse; every other verdict stands. Each of those misses "
+                            f"the perplexity bar by more than twice its {PPL_TOLERANCE:.0%} anyway (4.2), so no advice "
+                            "below changes."
+                            if any(rescued.values()) else "every verdict of worse stands."))
+    values["n_needle_tests"] = {short_model_name(m["name"]): min(m["n_needle_tests"]) for m in both}
+    # do the rescued verdicts matter for a recommendation? Not if each of those formats misses the perplexity bar
+    values["holm_rescued_ppl"] = {(m["name"], f): m["ppl"].get(f) for m in both for f in rescued[m["name"]]}
+    holm_claims = {
+        "every format on a model faces the same number of needle tests":
+            _claim(all(len(m["n_needle_tests"]) == 1 for m in both), {m["name"]: m["n_needle_tests"] for m in both}),
+        "a format held exactly when none of its needle tests calls it worse":
+            _claim(all((f in m["held"]) == all(t.verdict != "worse" for t in m["needle_tests"][f].values())
+                       for m in both for f in m["by"])),
+        "each format Holm's correction would rescue misses the perplexity bar on that model by more than twice":
+            _claim(all(v is not None and v > 2 * PPL_TOLERANCE for v in values["holm_rescued_ppl"].values()),
+                   values["holm_rescued_ppl"]),
+    }
     from .formats import engine_options
 
     # what an engineer can switch on today among the formats never worse on both models
@@ -1078,7 +1113,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                     _claim(all(len(values[k]["grows_common"]) <= len(values[k]["by"]) // 3 for k in keys),
                            {k: values[k]["grows_common"] for k in keys})}
     values |= llamacpp_gemma(sweeps.get("gemma3-270m"))
-    claims = g_claims | trap_claims | both_claims | steady_claim | {
+    claims = g_claims | trap_claims | both_claims | steady_claim | holm_claims | {
         "every model's sweep ran at least 25 identical prompts a point":
             _claim(all(values[CH4_KEYS.get(k, k)]["prompts"] >= 25 for k in sweeps),
                    {k: values[CH4_KEYS.get(k, k)]["prompts_all"] for k in sweeps}),
@@ -1397,8 +1432,12 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "s_int4": needle_label(smol, "int4"), "g_int4": needle_label(gemma, "int4"), "s_q4_0": needle_label(smol, "q4_0"),
         "min_detect": fewest_prompts_to_detect(),
         # the paired tests a format must pass on each model: each length in each single-needle haystack, and pooled
-        "n_tests": {short_model_name(mf["name"]): len(mf["lengths"]) + len(mf["prose"]["lengths"]) + 1
-                    for mf in (smol, gemma)},
+        "n_tests": {short_model_name(mf["name"]): min(mf["n_needle_tests"]) for mf in (smol, gemma)},
+        # verdicts of worse that Holm's correction for those tests would drop (chapter 4), per model
+        "holm_rescued_md": "; ".join(f"{names_md(mf['holm_rescued'])} on {short_model_name(mf['name'])}"
+                                     for mf in (smol, gemma) if mf["holm_rescued"]) or "none",
+        "holm_rescued_all_fail_ppl": all(mf["ppl"].get(f, 0) > PPL_TOLERANCE for mf in (smol, gemma)
+                                         for f in mf["holm_rescued"]),
         "grown_layout": _layout(plans_grown["bf16"]) if plans_grown.get("bf16") else "—",
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
         "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
@@ -1425,6 +1464,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "no INT4 format an engine offers passes the perplexity bar":
             _claim(not ({"int4", "q4_0", "int4_tensor"} & set(picks)), picks),
         "FP8 E4M3 is on the shortlist": _claim("fp8_e4m3" in picks, picks),
+        "every verdict Holm's correction would drop belongs to a format that misses the perplexity bar":
+            _claim(values["holm_rescued_all_fail_ppl"], values["holm_rescued_md"]),
         "vLLM, SGLang and TensorRT-LLM all offer FP8 E4M3":
             _claim({"vLLM", "SGLang", "TensorRT-LLM"} <= set(f8["engines"]), f8["engines"]),
         "INT4 holds about 1.8x FP8's sequences": _claim(1.6 < values["int4_over_fp8"] < 2.0, values["int4_over_fp8"]),

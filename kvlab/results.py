@@ -101,6 +101,23 @@ def verdict(lost: int, gained: int, alpha: float = ALPHA) -> str:
     return "worse" if lost > gained else "better"
 
 
+def holm(pvalues, alpha: float = ALPHA) -> list[bool]:
+    """Holm's step-down correction (Holm 1979): which of ``pvalues`` are rejected so that the chance of any false
+    rejection in the whole family stays at ``alpha``. The smallest p is compared with alpha / m, the next with
+    alpha / (m - 1), and so on, stopping at the first that is not below its bar."""
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+    ps = list(pvalues)
+    if any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1 for x in ps):
+        raise ValueError(f"p-values must be numbers in [0, 1], got {ps!r}")
+    out = [False] * len(ps)
+    for rank, i in enumerate(sorted(range(len(ps)), key=ps.__getitem__)):
+        if ps[i] >= alpha / (len(ps) - rank):
+            break
+        out[i] = True
+    return out
+
+
 def fewest_prompts_to_detect(alpha: float = ALPHA) -> int:
     """The fewest discordant pairs (all one way) for which the exact test can reject at ``alpha``."""
     n = 1
@@ -312,6 +329,28 @@ class LongSweep:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stage!r}")
         return Paired(fmt, reference, *(sum(getattr(x, a) for x in parts)
                                          for a in ("prompts", "correct", "ref_correct", "lost", "gained")))
+
+    def needle_tests(self, fmt: str, stages: tuple[str, ...] = ("filler", "prose"), reference: str = "fp32"
+                     ) -> dict[str, Paired]:
+        """Every paired test a format's single-needle verdict rests on: each complete length of each stage
+        (``"filler 8192"``) and all of them pooled (``"pooled"``)."""
+        tests = {}
+        for st in stages:
+            for n in self.lengths(st):
+                with contextlib.suppress(KeyError):
+                    tests[f"{st} {n}"] = self.paired(st, fmt, n, reference)
+        if not tests:
+            raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stages!r}")
+        tests["pooled"] = self.paired_pooled(stages, fmt, reference)
+        return tests
+
+    def worse_after_holm(self, fmt: str, stages: tuple[str, ...] = ("filler", "prose"), reference: str = "fp32"
+                         ) -> list[str]:
+        """The tests of :meth:`needle_tests` that still call ``fmt`` worse once :func:`holm` corrects for their
+        number (a harmless format facing many tests would fail one of them by chance more often than 5%)."""
+        tests = self.needle_tests(fmt, stages, reference)
+        keep = holm([t.p for t in tests.values()])
+        return [k for (k, t), r in zip(tests.items(), keep) if r and t.lost > t.gained]
 
     def table(self, stage: str = "filler", reference: str = "fp32") -> list[dict]:
         """One row per (format, length) measured in ``stage``: rate, interval, and the paired verdict."""

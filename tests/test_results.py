@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import results as R
@@ -396,3 +396,40 @@ def test_paired_perplexity_can_read_only_the_first_windows(tmp_path):
     s = R.LongSweep.load(_write(tmp_path, recs))
     assert s.paired_perplexity("int4", windows=2)["increase"] == 0.0 and s.paired_perplexity("int4", windows=2)["windows"] == 2
     assert s.paired_perplexity("int4")["increase"] > 0 and s.paired_perplexity("int4")["worse_windows"] == 2
+
+
+def test_holm_steps_down_and_is_never_looser_than_the_single_test():
+    from kvlab.results import holm
+
+    assert holm([0.01, 0.04, 0.03]) == [True, False, False]  # 0.01 < 0.05/3; 0.03 >= 0.05/2: stop
+    assert holm([0.001, 0.02, 0.04]) == [True, True, True]  # 0.001 < .0167, 0.02 < .025, 0.04 < .05
+    assert holm([]) == [] and holm([0.049]) == [True] and holm([0.05]) == [False]
+    for bad in ([1.5], [-0.1], [float("nan")], ["0.1"], [True]):
+        with pytest.raises(ValueError, match="p-values"):
+            holm(bad)
+    with pytest.raises(ValueError, match="alpha"):
+        holm([0.1], alpha=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1), max_size=12))
+def test_holm_rejects_a_subset_of_what_each_test_alone_rejects_and_smaller_ps_first(ps):
+    from kvlab.results import ALPHA, holm
+
+    keep = holm(ps)
+    assert all(p < ALPHA for p, k in zip(ps, keep) if k)
+    assert all(not k2 or k1 for p1, k1 in zip(ps, keep) for p2, k2 in zip(ps, keep) if p1 < p2)
+
+
+def test_a_sweeps_needle_tests_are_each_length_of_each_haystack_and_pooled(tmp_path):
+    """-4 +0 at two lengths (p = 0.125 each), -8 +0 pooled (p = 0.008): three tests, and Holm keeps the pooled one
+    (0.008 < 0.05 / 3); at -3 +0 a length (pooled -6 +0, p = 0.031 > 0.05 / 3) it keeps none."""
+    header = {"kind": "header", "model": "m", "formats": {"fp32": {}, "int4": {}}, "depths": [0.0], "per_depth": 6}
+    for miss, kept in ((4, ["pooled"]), (3, [])):
+        recs = [_rec("filler", n, 0.0, i, fp32=True, int4=i >= miss) for n in (1024, 2048) for i in range(6)]
+        s = R.LongSweep.load(_write(tmp_path, recs, header))
+        tests = s.needle_tests("int4")
+        assert list(tests) == ["filler 1024", "filler 2048", "pooled"] and tests["pooled"].lost == 2 * miss
+        assert tests["pooled"].verdict == "worse" and s.worse_after_holm("int4") == kept
+    with pytest.raises(KeyError, match="no prompts"):
+        s.needle_tests("int4", stages=("prose",))
