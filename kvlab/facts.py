@@ -494,6 +494,16 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
     return "\n".join(out)
 
 
+def _residual_note(by_model: dict) -> str:
+    """A caveat for formats with a residual window among ``{model: [formats]}``: the perplexity rung under-credits
+    them (each passage's last tokens stay in full precision, not each token's latest ones)."""
+    from .formats import get_format
+
+    fs = sorted({f for fs in by_model.values() for f in fs if get_format(f).residual})
+    return (f" (though for {names_md(fs)} the perplexity rung is harsh: it under-credits residual windows, appendix A)"
+            if fs else "")
+
+
 def _low_bit(fmt: str) -> bool:
     """A 4-bit (or 2-bit) KV format, mitigations and per-layer mixes included: what "INT4 KV" turns on."""
     return any(t in fmt for t in ("int4", "q4_", "kivi"))
@@ -511,9 +521,10 @@ def _refuse_to_skip(models: list[dict]) -> dict:
                 continue
             if r["ppl_increase"] is not None and r["ppl_ok"]:
                 passes["ppl"].add((m["name"], f))
-            if r["short_verdict"] != "worse":
+            prose_at = m["prose"]["by"].get(f, {}).get("worse_at", [])  # each rung is run in both haystacks
+            if r["short_verdict"] != "worse" and m["lengths"][0] not in prose_at:
                 passes["short"].add((m["name"], f))
-            if m["longest"] not in r["worse_at"]:
+            if m["longest"] not in r["worse_at"] and m["longest"] not in prose_at:
                 passes["long"].add((m["name"], f))
     false = {k: sorted(v & failed) for k, v in passes.items()}
     md = {k: "; ".join(f"`{f}` on {name}" for name, f in v) or "none" for k, v in false.items()}
@@ -1018,9 +1029,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["holm_rescued"] = rescued
     same = all(set(rescued[m["name"]]) == set(m["pooled_only"]) for m in both)  # exactly the pooled-only losses
     values["holm_md"] = ("Corrected for that number (Holm's method: 5% for a format's whole family of tests), "
-                         + ("the pooled-only verdicts above would not stand, and every other verdict would. Each of "
+                         + ("the pooled-only verdicts above would not stand; every other format called worse would still "
+                            "be worse on at least one test (some single-length marks alone would not survive). Each of "
                             f"those formats misses the perplexity bar by more than twice its {PPL_TOLERANCE:.0%} "
-                            "anyway (4.2), so no advice below changes." if same and any(rescued.values()) else
+                            "anyway (4.2), so no advice below changes" + _residual_note(rescued) + "."
+                            if same and any(rescued.values()) else
                             "; ".join(f"on {m['name']}, " + names_md(fs, notes={f: f"lowest p = {m['min_p'][f]:.3f}"
                                                                                 for f in fs})
                                       for m in both if (fs := rescued[m["name"]]))
@@ -1102,7 +1115,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                                               and "kivi-4" in G["never"] and "kivi-4" in S["never"])),
         "rotation hurt KIVI-2 on Gemma and helped it on SmolLM2":
             _claim(G is None or S is None or (len(S["by"]["kivi-2+rotate"]["worse_at"]) < len(S["by"]["kivi-2"]["worse_at"]))),
-        "one scale per token was worse from the shortest length on Gemma and never on SmolLM2":
+        "one scale per token was worse from the shortest length on Gemma and never in the filler haystack on SmolLM2":
             _claim(G is None or S is None or ("int4_token" in G["short"] and not S["by"]["int4_token"]["worse_at"])),
         "on SmolLM2 per-tensor INT4's paired losses do not grow at every step (appendix B cites them)":
             _claim(S is None or "int4_tensor" not in S["grows_common"], S and S["lost_md"].get("int4_tensor")),
@@ -1291,6 +1304,10 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "cheapest_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in fmts),
     }
     values["qa_saving"] = 1 - values["qa_usd"] / values["bf16_usd"] if both_offered else None
+    # beyond this table's rows: the 4-bit formats chapter 4 found held on both models, and whether an engine stores one
+    low_held = [f for f in smol["held"] if _low_bit(f) and f in gemma["held"]]
+    values["low_held_md"] = names_md(low_held)
+    values["low_held_offered"] = [f for f in low_held if "+" not in f and "@" not in f and any(engine_options(f).values())]
     claims = {
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
             _claim(1.99 < values["fp8_blocks_x"] < 2.01 and 3.5 < values["int4_blocks_x"] < 3.6, blocks),
@@ -1334,6 +1351,8 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
             _claim(both == ["bf16", "fp8_e4m3", "q8_0", "kivi-4"], both),
         "the cheapest row that passes both is KIVI-4, which no engine offers":
             _claim(values["cheapest_pass"] == "kivi-4" and not offered["kivi-4"], values["cheapest_pass"]),
+        "the 4-bit formats that held on both models' needles are ones no engine offers":
+            _claim(bool(low_held) and not values["low_held_offered"], low_held),
         "no INT4 row held on both models' needles": _claim(not any(by_fmt[f]["needle_ok"] for f in int4_rows),
                                                           values["int4_labels"]),
         "FP8 held on both models' needles": _claim(by_fmt["fp8_e4m3"]["needle_ok"], needle["fp8_e4m3"]),
@@ -1365,7 +1384,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     """
     from . import budget as B
     from . import decide
-    from .formats import get_format
+    from .formats import engine_options, get_format
     from .results import (
         LONG_SWEEPS,
         PPL_TOLERANCE,
@@ -1433,6 +1452,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "min_detect": fewest_prompts_to_detect(),
         # the paired tests a format must pass on each model: each length in each single-needle haystack, and pooled
         "n_tests": {short_model_name(mf["name"]): min(mf["n_needle_tests"]) for mf in (smol, gemma)},
+        # the 4-bit formats (mitigations aside) under the perplexity bar on both models: finer grouping than any engine's
+        "low_under_bar_md": names_md(low_under_bar := [f for f in smol["ppl"] if _low_bit(f) and "+" not in f
+                                                       and "@" not in f and f in gemma["ppl"]
+                                                       and max(smol["ppl"][f], gemma["ppl"][f]) <= PPL_TOLERANCE]),
+        "low_under_bar_offered": [f for f in low_under_bar if any(engine_options(f).values())],
         # verdicts of worse that Holm's correction for those tests would drop (chapter 4), per model
         "holm_rescued_md": "; ".join(f"{names_md(mf['holm_rescued'])} on {short_model_name(mf['name'])}"
                                      for mf in (smol, gemma) if mf["holm_rescued"]) or "none",
@@ -1464,6 +1488,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "no INT4 format an engine offers passes the perplexity bar":
             _claim(not ({"int4", "q4_0", "int4_tensor"} & set(picks)), picks),
         "FP8 E4M3 is on the shortlist": _claim("fp8_e4m3" in picks, picks),
+        "the 4-bit formats under the perplexity bar on both models are ones no engine offers":
+            _claim(not values["low_under_bar_offered"], values["low_under_bar_md"]),
         "every verdict Holm's correction would drop belongs to a format that misses the perplexity bar":
             _claim(values["holm_rescued_all_fail_ppl"], values["holm_rescued_md"]),
         "vLLM, SGLang and TensorRT-LLM all offer FP8 E4M3":
