@@ -52,7 +52,7 @@ def _number_text(text, what: str, name: str = "") -> str:
         raise argparse.ArgumentTypeError(f"{flag}must be {what} written in ASCII digits, got {_shown(repr(text))}")
     if len(s) > MAX_NUMBER_CHARS:
         raise argparse.ArgumentTypeError(f"{flag}must be {what} of at most {MAX_NUMBER_CHARS} characters, got "
-                                         f"{len(s):,} characters ({_shown(s, 20)})")
+                                         f"{len(s):,} characters ({_shown(repr(s), 20)})")
     return s
 
 
@@ -62,7 +62,7 @@ def _int(name, minimum, maximum=None):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {_shown(repr(text))}") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
         if maximum is not None and v > maximum:
@@ -77,7 +77,7 @@ def _fraction(text):
     try:
         v = float(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
     return v
@@ -195,13 +195,13 @@ def _int_list(name):
         try:
             vals = [int(_number_text(x, "an integer", name)) for x in text.split(",")]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {_shown(repr(text))}") from None
         if not vals or min(vals) < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be positive integers, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be positive integers, got {_shown(repr(text))}")
         if max(vals) > MAX_LENGTH:
             raise argparse.ArgumentTypeError(f"{name} must be at most {MAX_LENGTH:,} tokens, got {max(vals):,}")
         if len(set(vals)) < len(vals):
-            raise argparse.ArgumentTypeError(f"{name} lists a value twice: {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} lists a value twice: {_shown(repr(text))}")
         return vals
 
     return parse
@@ -211,12 +211,12 @@ def _depth_list(text):
     try:
         vals = [float(_number_text(x, "a number", "--depths")) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--depths must be comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--depths must be comma-separated numbers, got {_shown(repr(text))}") from None
     if not vals or any(not 0 <= v <= 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"--depths must lie in [0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"--depths must lie in [0, 1], got {_shown(repr(text))}")
     if len(set(vals)) < len(vals):
-        raise argparse.ArgumentTypeError(f"--depths lists a value twice: {text!r}")
-    return vals
+        raise argparse.ArgumentTypeError(f"--depths lists a value twice: {_shown(repr(text))}")
+    return [v + 0.0 for v in vals]  # -0 is 0
 
 
 # niah's flags that only a run against servers reads, and their defaults (set to anything else without
@@ -347,7 +347,7 @@ def cmd_niah_endpoint(args) -> int:
             print(f"kvlab: error: {why}", file=sys.stderr)
             return 2
     try:  # the journal's own name must fit the folder's limit, and it must not be the result file itself
-        too_long = len(journal.name.encode()) > os.pathconf(journal.parent, "PC_NAME_MAX")
+        too_long = len(os.fsencode(journal.name)) > os.pathconf(journal.parent, "PC_NAME_MAX")
         same = os.path.realpath(journal) == os.path.realpath(out)
     except OSError as e:
         print(f"kvlab: error: --out {shown_path(args.out)}: its journal {journal}: {(e.strerror or str(e)).lower()}", file=sys.stderr)
@@ -581,6 +581,18 @@ def _positive_float(text):
     return v
 
 
+def _price(text):
+    """--gpu-hour-usd: a positive number of dollars, at most :data:`kvlab.budget.MAX_HOURLY_USD` (checked here, not
+    after a long simulation)."""
+    from .budget import MAX_HOURLY_USD
+
+    v = _positive_float(text)
+    if v > MAX_HOURLY_USD:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_HOURLY_USD:,.0f} dollars per GPU-hour, got "
+                                         f"{_shown(text.strip())}")
+    return v
+
+
 MIN_TIMEOUT_S = 0.001  # a shorter --timeout could never see an answer (5e-324 is > 0 too)
 
 
@@ -596,7 +608,9 @@ def _seconds(allow_zero: bool):
 
         if not (0 <= v <= MAX_TIMEOUT_S) or (v == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'} and at most "
-                                             f"{MAX_TIMEOUT_S:g} seconds (a day), got {s}")
+                                             f"{MAX_TIMEOUT_S:g} seconds (a day), got {s}"
+                                             + (" (it rounds to 0)" if v == 0 and any(c in "123456789" for c in
+                                                                                      s.lower().split("e")[0]) else ""))
         if not allow_zero and v < MIN_TIMEOUT_S:
             raise argparse.ArgumentTypeError(f"must be at least {MIN_TIMEOUT_S:g} seconds, got {s}")
         return v
@@ -639,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeated filler sentences, or English text (CPython's docstrings; passkey task)")
     n.add_argument("--haystack-file", help="cut the haystack from this UTF-8 text file instead (e.g. text like "
                                            "your own traffic; passkey task)")
-    n.add_argument("--chunk", type=_int("--chunk", 1), default=None,
+    n.add_argument("--chunk", type=_int("--chunk", 1, MAX_LENGTH), default=None,
                    help="prefill this many tokens per forward, as engines do (e.g. 1024 for 32k prompts)")
     n.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: the prompt attends in full precision and only the stored cache is quantized "
@@ -692,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--requests", type=_int("--requests", 1, MAX_REQUESTS), default=None,
                    help=f"how many requests to replay (at most {MAX_REQUESTS:,})")
     s.add_argument("--memory-utilization", default=0.9, type=_fraction)
-    s.add_argument("--gpu-hour-usd", default=None, type=_positive_float,
+    s.add_argument("--gpu-hour-usd", default=None, type=_price,
                    help="price of one GPU-hour in dollars (default: the GPU's listed price, see data/presets/gpus.json)")
     s.add_argument("--seed", type=_int("--seed", 0, 2**32 - 1), default=0)
     s.add_argument("--json", action="store_true")

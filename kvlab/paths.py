@@ -16,7 +16,8 @@ CORPUS_DIR = DATA_DIR / "corpus"
 
 def shown_path(path: str | Path, limit: int = 120) -> str:
     """``path`` as an error line quotes it: a 4,000-character path keeps its two ends and says how long it was."""
-    text = str(path)
+    # a newline or an escape sequence in a name would break the one-line message or drive the terminal: escape it
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(path))
     if len(text) <= limit:
         return text
     half = (limit - 5) // 2
@@ -67,8 +68,9 @@ def _out_problem(path: str | Path, flag: str) -> str | None:
     if out.is_dir():
         return f"{flag} {shown_path(path)}: is a directory"
     if not out.parent.is_dir():
-        what = "is not a folder" if out.parent.exists() else "does not exist"
-        return f"{flag} {shown_path(path)}: {shown_path(out.parent)!r} {what}"
+        what = ("is not a folder" if out.parent.exists() else
+                "is a symbolic link that leads nowhere (or a loop)" if out.parent.is_symlink() else "does not exist")
+        return f"{flag} {shown_path(path)}: '{shown_path(out.parent)}' {what}"
     if out.exists() and not out.is_file():
         return f"{flag} {shown_path(path)}: exists and is not a regular file"
     if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
@@ -78,7 +80,7 @@ def _out_problem(path: str | Path, flag: str) -> str | None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        return f"{flag} {shown_path(path)}: cannot create a file in {shown_path(out.parent)!r} ({e.strerror or e})"
+        return f"{flag} {shown_path(path)}: cannot create a file in '{shown_path(out.parent)}' ({e.strerror or e})"
     return None
 
 

@@ -520,3 +520,26 @@ def test_a_long_out_path_is_cut_in_the_error(tmp_path, capsys):
     assert cli.main(["niah", "--endpoint", "http://127.0.0.1:1", "--out", long]) == 2
     err = capsys.readouterr().err
     assert "characters)" in err and len(err) < 600 and err.count("\n") == 1
+
+
+def test_odd_characters_in_values_and_paths_stay_on_one_escaped_line(tmp_path, capsys):
+    for argv, needle in ((["budget", "--batch", "1\n" * 1500], "characters ('1\\n1\\n"),
+                         (["budget", "--batch", " " * 3000 + "x"], "characters)"),
+                         (["niah", "--endpoint", "http://127.0.0.1:1", "--lengths", ", ".join(["1"] * 1500)], "characters)"),
+                         (["serve-sim", "--gpu-hour-usd", "2e6"], "at most 1,000,000 dollars per GPU-hour"),
+                         (["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "1e-400"], "rounds to 0"),
+                         (["niah", "--endpoint", "http://127.0.0.1:1", "--out", str(tmp_path / "a\nb\x1b[2J" / "x.json")],
+                          "a\\nb\\x1b[2J")):
+        assert run(argv) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1 and len(err) < 400 and "\x1b" not in err, (argv[:2], err)
+    (tmp_path / "la").symlink_to(tmp_path / "lb")
+    (tmp_path / "lb").symlink_to(tmp_path / "la")
+    assert cli.main(["niah", "--endpoint", "http://127.0.0.1:1", "--out", str(tmp_path / "la" / "x.json")]) == 2
+    assert "leads nowhere (or a loop)" in capsys.readouterr().err
+    bad = tmp_path / "bad\udcff.json"  # a file name that is not UTF-8: its journal's length is measured in bytes
+    assert cli.main(["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "0.5", "--retries", "0",
+                     "--model", "kvlab-tiny", "--out", str(bad)]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert cli._depth_list("-0,1") == [0.0, 1.0] and str(cli._depth_list("-0")[0]) == "0.0"
+
