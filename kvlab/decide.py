@@ -133,6 +133,8 @@ def vllm_command(plan: dict, context: int, model: str = "YOUR/MODEL", memory_uti
     kv = flag.split(" (")[0].split(" with ")[0]  # "--kv-cache-dtype fp8 (= fp8_e4m3)" -> "--kv-cache-dtype fp8"
     line = (f"vllm serve {model} {kv} --max-model-len {context} --gpu-memory-utilization {memory_utilization:g} "
             f"--tensor-parallel-size {plan['tp']} --max-num-seqs {plan['per_replica']}")
+    if "fp8" in kv:  # scales measured from the data, not 1.0 (chapter 2): closer to the per-prompt scale measured
+        line += " --calculate-kv-scales"
     if plan["replicas"] > 1:
         line += (f"   # on each of {plan['replicas']} replicas ({plan['tp']} GPU{'s' if plan['tp'] > 1 else ''} "
                  "each), behind a load balancer")
@@ -186,7 +188,9 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
                          f"of engine reserve per GPU, {f.usable_bytes_per_gpu / B.GIB:.0f} GiB usable")
     base = None
     rows = []
-    eval_args = f"--lengths {context} --depths 0,0.25,0.5,0.75,1 --trials 10 --haystack prose"
+    # chapter 4's advice: perplexity first, then needles at several lengths up to the context served, not only the longest
+    lengths = ",".join(str(n) for n in sorted({n for n in (context // 8, context // 2) if n >= 256} | {context}))
+    eval_args = f"--lengths {lengths} --depths 0,0.25,0.5,0.75,1 --trials 10 --haystack prose --ppl-windows 8"
     for name in formats:
         b = B.budget(model, concurrency, context, name, tp=tp)
         fits = b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu

@@ -1174,7 +1174,7 @@ def llamacpp_gemma(sweep, path=None) -> dict:
         f" At {', '.join(_k(n) for n in window)} the sliding-window layers kept a cache of their window only "
         "(`swa_full=False`, each prompt prefilled from its first token: quadratic time only in the 3 global layers); "
         "elsewhere llama-cpp-python's default full-size cache, with the shared prefix of consecutive prompts reused.")
-    running = "; ".join(f"{ct} at {_k(n)}: {k} of {len(doc['depths']) * doc['trials']} prompts"
+    running = "; ".join(f"{ct} at {_k(n)}: {k} of {len(doc['depths']) * doc['trials']} prompts run so far"
                         for ct, by_n in pending.items() for n, k in by_n.items())
     summary = (f"llama.cpp {doc.get('versions', {}).get('llama-cpp-python', '?')} (llama-cpp-python) ran on "
                f"{doc.get('machine', '?')}, {doc.get('date', '?')}. "
