@@ -998,8 +998,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     both = [m for m in (G, S) if m is not None]
     # the loosest bar that still lets no format through: the smallest perplexity among the formats that passed the
     # short needle and lost a longer one, in either haystack
-    later_ppl = sorted({(m["ppl"][f], f) for m in both for f in m["later"] + m["prose"]["later"] if f in m["ppl"]})
-    values["trap_at"], values["trap_first"] = later_ppl[0] if later_ppl else (None, None)
+    later_ppl = sorted({(m["ppl"][f], f, short_model_name(m["name"]), "filler" if f in m["later"] else "prose")
+                        for m in both for f in m["later"] + m["prose"]["later"] if f in m["ppl"]})
+    values["trap_at"], values["trap_first"] = later_ppl[0][:2] if later_ppl else (None, None)
     values["trap_first_md"] = "none"
     for m in both:  # where that format lost a longer needle: the evidence the "would have been trapped" rests on
         for stage, st in (("filler", m), ("prose", m["prose"])):
@@ -1012,7 +1013,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                 values["trap_first_md"] = (f"`{values['trap_first']}` on {m['name']} (worse in the {stage} haystack at "
                                            f"{cells}{one})")
     # how the trap would appear as the bar loosens: each further format and the bar above which it slips through
-    values["trap_more_md"] = ", ".join(f"`{f}` above {x:.1%}" for x, f in later_ppl[1:4]) or "no other format"
+    values["trap_more_md"] = ", ".join(f"`{f}` on {m} ({h} haystack) above {x:.1%}"
+                                       for x, f, m, h in later_ppl[1:4]) or "no other format"
+    values["n_trap_more"] = max(len(later_ppl) - 1, 0)  # every (format, model, haystack) a looser bar would let in
     never_one = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]  # filler, every length alone
     # no loss detected: never worse at any one length in either haystack, nor with them all pooled, on both models
     values["never_both"] = [f for f in never_one if all(f in m["held"] for m in both)]
@@ -1393,7 +1396,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         fewest_prompts_to_detect,
         wilson,
     )
-    from .roofline import MBU
+    from .roofline import MBU, MFU
 
     sweeps = sweeps or {m: LongSweep.load(path) for m, path in LONG_SWEEPS.items()}
     smol = _model_facts(sweeps["smollm2-135m"])  # chapter 4's paired SmolLM2 sweep (to 8k)
@@ -1432,7 +1435,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     fewest_gpus = min(p["gpus"] for p in plans.values() if p)
     at_fewest = [f for f, p in plans.items() if p and p["gpus"] == fewest_gpus]
     values = {
-        "plans": plans, "plans_md": _plans_md(plans, by), "mbu": MBU, "ppl_bar": PPL_TOLERANCE,
+        "plans": plans, "plans_md": _plans_md(plans, by), "mbu": MBU, "mfu": MFU, "ppl_bar": PPL_TOLERANCE,
         "noise_lo": min(noise), "noise_hi": max(noise), "eight_md": names_md(eight), "ppl2": ppl2, "risk": risk,
         "nvfp4_bits": get_format("nvfp4").bits_per_element(128),
         "plans_grown": plans_grown, "big_reserve_gib": big, "plans_big": plans_big, "tp2_reserve_gib": TP2_RESERVE_GIB, "reserve_gib": B.DEFAULT_RESERVE_GIB,

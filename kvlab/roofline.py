@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from . import budget as B
 from .formats import get_format
 
-# The one efficiency assumption of the workbook's time and cost models (chapters 5 and 6): real kernels
+# The efficiency assumptions of the workbook's time and cost models (chapters 5 and 6): real kernels
 # reach a fraction of peak. Decode reads bytes at MBU x peak bandwidth, prefill computes at MFU x peak FLOPs.
 # Rules of thumb, not measured here: tuned CUDA engines (vLLM, TensorRT-LLM) are commonly described as
 # reaching 60-85% of peak bandwidth in decode (open-source-ai.tech glossary, "model bandwidth utilization").

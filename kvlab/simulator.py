@@ -98,7 +98,7 @@ class CostModel:
     weights_bytes: int
     peak_flops: float
     bandwidth: float
-    mfu: float = MFU  # kvlab.roofline: the workbook's one efficiency assumption
+    mfu: float = MFU  # kvlab.roofline: the workbook's efficiency assumptions
     mbu: float = MBU
 
     def step_seconds(self, prefill_tokens: int, decode_cache_bytes: float, decoding: bool) -> float:
