@@ -154,6 +154,7 @@ def _reserves(reserve_gib) -> dict[int, float]:
     return {tp: B._gib(f"reserve_gib[{tp}]", v) for tp, v in reserve_gib.items()}
 
 
+EVAL_DEPTHS, EVAL_TRIALS = (0.0, 0.25, 0.5, 0.75, 1.0), 10  # the comparison each row prints: 50 prompts a length
 REFERENCE_FORMATS = ("bf16", "fp16", "fp32")  # full precision: the reference every paired test compares against
 
 
@@ -190,7 +191,8 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
     rows = []
     # chapter 4's advice: perplexity first, then needles at several lengths up to the context served, not only the longest
     lengths = ",".join(str(n) for n in sorted({n for n in (context // 8, context // 2) if n >= 256} | {context}))
-    eval_args = f"--lengths {lengths} --depths 0,0.25,0.5,0.75,1 --trials 10 --haystack prose --ppl-windows 8"
+    eval_args = (f"--lengths {lengths} --depths {','.join(f'{d:g}' for d in EVAL_DEPTHS)} --trials {EVAL_TRIALS} "
+                 "--haystack prose --ppl-windows 8")
     for name in formats:
         b = B.budget(model, concurrency, context, name, tp=tp)
         fits = b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu

@@ -671,6 +671,7 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
             | {"teacher_correct": t[k]["correct"], "student_correct": s[k]["correct"],
                "teacher_text": t[k]["text"], "student_text": s[k]["text"]}
             for k in both if t[k]["correct"] != s[k]["correct"]]
+        doc["paired"] = _paired(doc["disagreements"], [t[k]["length"] for k in both])
         ag = [a for k in both if (a := agreement(t[k], s[k])) is not None]
         doc["agreement"] = None if not ag else {
             "prompts": len(ag), "mean_topk_kl": sum(a["kl"] for a in ag) / len(ag),
@@ -680,6 +681,23 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
                                                                      if a["first_divergence"] is not None]),
             "caveat": TOPK_CAVEAT}
     return doc
+
+
+def _paired(disagreements: list[dict], lengths: list[int]) -> dict:
+    """The book's rule on a side-by-side: the student against the teacher on the prompts both answered, by exact
+    McNemar (:func:`kvlab.results.verdict`), at each length and with every length pooled. ``lengths`` has one entry per
+    prompt both answered. ``{"4096": {"prompts", "lost", "gained", "p", "verdict"}, ..., "pooled": {...}}``."""
+    from .results import mcnemar, verdict
+
+    def row(ds, n):
+        lost = sum(d["teacher_correct"] and not d["student_correct"] for d in ds)
+        gained = sum(d["student_correct"] and not d["teacher_correct"] for d in ds)
+        return {"prompts": n, "lost": lost, "gained": gained, "p": mcnemar(lost, gained), "verdict": verdict(lost, gained)}
+
+    out = {str(n): row([d for d in disagreements if d["length"] == n], lengths.count(n)) for n in sorted(set(lengths))}
+    if lengths:
+        out["pooled"] = row(disagreements, len(lengths))
+    return out
 
 
 def _or_none(f, xs: list):
@@ -717,6 +735,10 @@ def markdown(doc: dict) -> str:
     if doc.get("student"):
         a = doc.get("agreement")
         out += f"\n\n{len(doc['disagreements'])} prompts answered differently."
+        if pr := doc.get("paired"):  # the workbook's one rule: exact McNemar on the same prompts
+            out += ("\n\nStudent against teacher, paired (−lost +gained, exact McNemar): " + "; ".join(
+                f"{'pooled' if n == 'pooled' else n + ' tokens'}: −{r['lost']} +{r['gained']} of {r['prompts']}, "
+                f"{r['verdict']} (p = {r['p']:.2g})" for n, r in pr.items()) + ".")
         if a:
             out += (f" Over {a['prompts']} prompts: top-k KL {a['mean_topk_kl']:.4f} nats, top-1 agreement "
                     f"{a['top1_agreement']:.0%}, identical greedy text {a['identical_greedy']}.")

@@ -537,9 +537,9 @@ def _rungs_md(models: list[dict], fmts: list[str]) -> str:
     """One row per format: per model, the perplexity increase, the short needle's verdict, where it is worse."""
     head = "| format | " + " | ".join(f"{m['name']}: perplexity | short needle ({m['shortest_k']}) | worse at"
                                      for m in models) + " |"
-    caption = ("*Filler haystack. Perplexity in bold where it misses the bar; the short needle's paired verdict; the "
-               "lengths where the paired test finds the format worse, each length alone (\"pooled\": worse only with every "
-               "length of both haystacks in one test, 4.1).*")
+    caption = ("*Filler haystack unless marked. Perplexity in bold where it misses the bar; the short needle's paired verdict; the "
+               "lengths where the paired test finds the format worse, each length alone (\"prose 4k\": worse only in the prose "
+               "haystack, 4.3; \"pooled\": worse only with every length of both haystacks in one test, 4.1).*")
     out = [caption, "", head, "|---" * (1 + 3 * len(models)) + "|"]
     for f in fmts:
         if f == "fp32":
@@ -554,7 +554,9 @@ def _rungs_md(models: list[dict], fmts: list[str]) -> str:
             cells += [f"**{ppl}**" if r["ppl_increase"] is not None and not r["ppl_ok"] else ppl,
                       "**worse**" if r["short_verdict"] == "worse" else "not worse",
                       ", ".join(_k(n) for n in r["worse_at"])
-                      or ("pooled" if m["pooled"][f].verdict == "worse" else "never")]
+                      or ("prose " + ", ".join(_k(n) for n in prose_at) if (prose_at := m["prose"]["by"].get(f, {})
+                                                                            .get("worse_at")) else
+                          "pooled" if m["pooled"][f].verdict == "worse" else "never")]
         out.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -1303,13 +1305,17 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "qa": min(both_offered, key=lambda f: by_fmt[f]["usd_per_m_tokens"]) if both_offered else None,
         "qa_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in both_offered) if both_offered else None,
         "bf16_usd": by_fmt["bf16"]["usd_per_m_tokens"],
+        # every row at the lowest price (rounded to the cent, as printed): a tie is named whole
         "cheapest": min(fmts, key=lambda f: by_fmt[f]["usd_per_m_tokens"]),
+        "cheapest_md": names_md([f for f in fmts if round(by_fmt[f]["usd_per_m_tokens"], 2)
+                                 == round(min(by_fmt[g]["usd_per_m_tokens"] for g in fmts), 2)]),
         "cheapest_usd": min(by_fmt[f]["usd_per_m_tokens"] for f in fmts),
     }
     values["qa_saving"] = 1 - values["qa_usd"] / values["bf16_usd"] if both_offered else None
     # beyond this table's rows: the 4-bit formats chapter 4 found held on both models, and whether an engine stores one
     low_held = [f for f in smol["held"] if _low_bit(f) and f in gemma["held"]]
     values["low_held_md"] = names_md(low_held)
+    values["int4_rows_md"] = names_md(int4_rows)
     values["low_held_offered"] = [f for f in low_held if "+" not in f and "@" not in f and any(engine_options(f).values())]
     claims = {
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
@@ -1461,12 +1467,19 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                                                        and max(smol["ppl"][f], gemma["ppl"][f]) <= PPL_TOLERANCE]),
         "low_under_bar_offered": [f for f in low_under_bar if any(engine_options(f).values())],
         # verdicts of worse that Holm's correction for those tests would drop (chapter 4), per model
-        "holm_rescued_md": "; ".join(f"{names_md(mf['holm_rescued'])} on {short_model_name(mf['name'])}"
-                                     for mf in (smol, gemma) if mf["holm_rescued"]) or "none",
+        "holm_rescued_md": "; ".join(f"{names_md(fs)} on {short_model_name(mf['name'])}" for mf in (smol, gemma)
+                                     if (fs := [f for f in mf["holm_rescued"] if f in by])) or "none of this chapter's formats",
         "holm_rescued_all_fail_ppl": all(mf["ppl"].get(f, 0) > PPL_TOLERANCE for mf in (smol, gemma)
                                          for f in mf["holm_rescued"]),
         "grown_layout": _layout(plans_grown["bf16"]) if plans_grown.get("bf16") else "—",
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
+        # ... an average over lengths: the call's own cell at the context served, on the model measured there
+        "eval_per_length": len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS,
+        "call_at_context_md": (f"at {_k(context)} on {short_model_name(gemma['name'])} it lost {c['lost']} and gained "
+                               f"{c['gained']} of {c['prompts']} prompts, where that one length bounds the loss at "
+                               f"{exact_upper(c['lost'], c['prompts']):.0%}"
+                               if call and (c := gemma["cell"].get((call, context))) else
+                               f"no single length was measured at {_k(context)}"),
         "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
                                       f"{short_model_name(mf['name'])}" for mf in (smol, gemma)) if call else "—",
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),

@@ -190,6 +190,21 @@ def servers(smollm2):
     b.close()
 
 
+def test_a_side_by_side_gives_the_paired_verdict_per_length_and_pooled():
+    def d(n, teacher, student):
+        return {"length": n, "teacher_correct": teacher, "student_correct": student}
+
+    # -3 +0 and -4 +0: neither length alone is distinguishable (p = 0.25, 0.125), pooled -7 +0 is worse (p = 0.016)
+    ds = [d(512, True, False)] * 3 + [d(4096, True, False)] * 4
+    pr = E._paired(ds, [512] * 25 + [4096] * 25)
+    assert (pr["512"]["lost"], pr["512"]["gained"], pr["512"]["prompts"]) == (3, 0, 25)
+    assert pr["512"]["verdict"] == pr["4096"]["verdict"] == "not distinguishable"
+    assert (pr["pooled"]["lost"], pr["pooled"]["prompts"], pr["pooled"]["verdict"]) == (7, 50, "worse")
+    pr = E._paired(ds + [d(4096, False, True)], [512] * 25 + [4096] * 25)  # one gain: -7 +1, p = 0.07
+    assert pr["pooled"]["gained"] == 1 and pr["pooled"]["verdict"] == "not distinguishable"
+    assert E._paired([], []) == {}
+
+
 @pytest.mark.slow
 def test_side_by_side_end_to_end(servers, tmp_path, capsys):
     a, b = servers
@@ -206,6 +221,9 @@ def test_side_by_side_end_to_end(servers, tmp_path, capsys):
     ag = doc["agreement"]
     assert ag["prompts"] == 3 and ag["mean_topk_kl"] > 0 and "top-k" in ag["caveat"]
     assert len(doc["disagreements"]) == sum(1 for r in res[b.url].rows for _ in range(r["trials"] - r["correct"]))
+    pr = doc["paired"]  # the book's rule on the two servers: every disagreement here is a loss
+    assert pr["256"] == pr["pooled"] and pr["256"]["prompts"] == 3 and pr["256"]["lost"] == len(doc["disagreements"])
+    assert "Student against teacher, paired" in capsys.readouterr().out
     journal = tmp_path / "side.requests.jsonl"
     assert len(journal.read_text().splitlines()) == 6
     # an interrupted run resumes: drop one answer, and only that request is sent again
