@@ -886,9 +886,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                            and m["c"].get(key, {}).get("verdict") != "worse"]
         m["cached_brief_md"] = "" if not modes else (
             f"On {m['name']} at {m['cached']['lengths_text']}, "
-            + ("; ".join(f"`{key.split()[0]}` became worse than full precision with the prompt reading the cache "
-                         f"(−{m['cached']['c'][key]['lost']} +{m['cached']['c'][key]['gained']}), which it was not with "
-                         "the prompt in full precision" for key in m["cached_new"])
+            + ("; ".join(f"`{key.split()[0]}` was worse than full precision with the prompt reading the cache "
+                         f"(−{m['cached']['c'][key]['lost']} +{m['cached']['c'][key]['gained']}) and not with the prompt "
+                         "in full precision, a difference of verdicts rather than a measured difference" for key in m["cached_new"])
                if m["cached_new"] else
                "the formats worse than full precision in this mode ("
                + (names_md([k.split()[0] for k in m["cached_vs_full"] if m["cached"]["c"][k]["verdict"] == "worse"])
@@ -941,7 +941,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "on Gemma the residual window's, the rotated per-tensor format's and the global-only mix's losses grow to 8k":
             _claim({"int4_token+residual128", "int4_tensor+rotate", "int4_token@global"} <= set(G["grows_common"]),
                    G["grows_common"]),
-        "on Gemma at 8k, quantizing the prompt too costs q4_0 and per-token INT4 needles, never FP8 or INT8":
+        "on Gemma at 8k, with the prompt quantized too q4_0 and per-token INT4 found fewer needles, FP8 and INT8 not fewer":
             _claim(G["cached"]["measured"] and all(
                 (G["cached_vs_full"][f"{f} 8192"]["cached"][0] < G["cached_vs_full"][f"{f} 8192"]["full"][0])
                 == (f in ("q4_0", "int4_token")) for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")),
