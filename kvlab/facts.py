@@ -1381,6 +1381,18 @@ CH6_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CH6_LADDER_PROMPTS = 50  # prompts a server in the endpoint ladder of 6.4
 
 
+CH6_LADDER_INT4 = ["lmdeploy-int4", "hf-int4"]  # the INT4 caches LMDeploy and transformers store (kvlab's mirrors)
+
+
+def _ladder_ppl(formats: list[str]) -> dict[str, float]:
+    """Perplexity change per format in SmolLM2's ladder sweep (eval_sweep.json: unpaired, its first 4 passages)."""
+    from .results import ladder, load_sweep
+
+    sweep = load_sweep()
+    rows = {r["kv_format"]: r for r in ladder(sweep, short=512, long_min=max(sweep["lengths"]))}
+    return {f: rows[f]["ppl_increase"] for f in formats if f in rows and rows[f]["ppl_increase"] is not None}
+
+
 def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], weights=CH6_DEPLOYMENT["weights"],
                       context=CH6_DEPLOYMENT["context"], concurrency=CH6_DEPLOYMENT["concurrency"],
                       formats=CH6_FORMATS, sweeps: dict | None = None) -> Facts:
@@ -1485,6 +1497,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
         "prompts": smol["prompts"] if smol["prompts_all"] == gemma["prompts_all"] and len(smol["prompts_all"]) == 1 else None,
         "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
+        # the only evidence on those, and on the INT4 caches LMDeploy and transformers offer: SmolLM2's older ladder
+        "ladder_ppl": (ladder_ppl := _ladder_ppl([f for f in formats if not q[f]["measured"]] + CH6_LADDER_INT4)),
+        "ladder_ppl_md": ", ".join(f"`{f}` {v:+.1%}" for f, v in ladder_ppl.items()),
+        "ladder_ppl_windows": LADDER_PPL_WINDOWS,
         "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
     }
     claims = {
@@ -1504,6 +1520,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "no INT4 format an engine offers passes the perplexity bar":
             _claim(not ({"int4", "q4_0", "int4_tensor"} & set(picks)), picks),
         "FP8 E4M3 is on the shortlist": _claim("fp8_e4m3" in picks, picks),
+        "in SmolLM2's ladder the unmeasured 8-bit formats stayed under the bar and the engines' INT4 caches did not":
+            _claim(all((v > PPL_TOLERANCE) == (f in CH6_LADDER_INT4) for f, v in ladder_ppl.items()), ladder_ppl),
         "the 4-bit formats under the perplexity bar on both models are ones no engine offers":
             _claim(not values["low_under_bar_offered"], values["low_under_bar_md"]),
         "every verdict Holm's correction would drop belongs to a format that misses the perplexity bar":
