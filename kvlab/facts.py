@@ -1381,6 +1381,7 @@ CH6_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CH6_LADDER_PROMPTS = 50  # prompts a server in the endpoint ladder of 6.4
 
 
+CH6_OTHER_BARS = (0.10, 0.20, float("inf"))  # looser perplexity bars than PPL_TOLERANCE, and none
 CH6_LADDER_INT4 = ["lmdeploy-int4", "hf-int4"]  # the INT4 caches LMDeploy and transformers store (kvlab's mirrors)
 
 
@@ -1487,6 +1488,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
         # ... an average over lengths: the call's own cell at the context served, on the model measured there
         "eval_per_length": len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS,
+        # the bar is a choice: the shortlist at looser bars, and with none at all
+        "bar_shortlists": {bar: decide.shortlist(rows, max_ppl=bar) for bar in CH6_OTHER_BARS},
         "call_at_context_md": (f"at {_k(context)} on {short_model_name(gemma['name'])} it lost {c['lost']} and gained "
                                f"{c['gained']} of {c['prompts']} prompts, where that one length bounds the loss at "
                                f"{exact_upper(c['lost'], c['prompts']):.0%}"
@@ -1520,6 +1523,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "no INT4 format an engine offers passes the perplexity bar":
             _claim(not ({"int4", "q4_0", "int4_tensor"} & set(picks)), picks),
         "FP8 E4M3 is on the shortlist": _claim("fp8_e4m3" in picks, picks),
+        "with Holm's correction q4_0 would hold on both models' needles":
+            _claim("q4_0" in smol["holm_rescued"] and "q4_0" in gemma["held"], (smol["holm_rescued"], gemma["held"])),
+        "the shortlist is the same at a 10% or 20% bar or with none: the needles alone decide it here":
+            _claim(all(v == picks for v in values["bar_shortlists"].values()), values["bar_shortlists"]),
         "in SmolLM2's ladder the unmeasured 8-bit formats stayed under the bar and the engines' INT4 caches did not":
             _claim(all((v > PPL_TOLERANCE) == (f in CH6_LADDER_INT4) for f, v in ladder_ppl.items()), ladder_ppl),
         "the 4-bit formats under the perplexity bar on both models are ones no engine offers":
