@@ -69,10 +69,11 @@ def test_the_glossary_states_the_workbooks_constants():
     """The glossary is static Markdown: its numbers must be the ones the library uses."""
     from kvlab.budget import GIB
     from kvlab.results import PPL_TOLERANCE
-    from kvlab.roofline import MBU
+    from kvlab.roofline import MBU, MFU
 
     text = (book.NOTEBOOKS_DIR / "glossary.md").read_text()
     assert f"assumes {MBU:.0%}" in text and f"one bar for it: {PPL_TOLERANCE:.0%}" in text
+    assert f"and {MFU:.0%} of peak FLOPs" in text
     assert f"is {1 - 1e9 / GIB:.0%} smaller" in text
 
 
