@@ -261,6 +261,7 @@ def _lists(sweep, stage: str) -> dict:
 def _model_facts(sweep) -> dict:
     """What one model's long sweep says, rung by rung (the sentences of 4.1-4.3 read these)."""
     from .formats import get_format
+    from .results import holm_worse
 
     f = _lists(sweep, "filler")
     prose_worse = {n for n, r in _lists(sweep, "prose")["by"].items() if r["worse_at"]}
@@ -279,7 +280,6 @@ def _model_facts(sweep) -> dict:
     intervals = {n: sweep.perplexity_interval(n) for n in ppl}  # 90% bootstrap over the passages read
     # each verdict rests on several tests (a length in each haystack, and pooled): those still "worse" after Holm
     tests = {n: sweep.needle_tests(n, SINGLE_NEEDLE) for n in f["by"]}
-    holm_worse = {n: sweep.worse_after_holm(n, SINGLE_NEEDLE) for n in f["by"]}
     for n in pooled_only:  # never worse at one length in either haystack, yet worse pooled: say both
         f["status"][n] = f"never worse at one length, worse pooled (−{pooled[n].lost} +{pooled[n].gained})"
     return f | {
@@ -299,7 +299,7 @@ def _model_facts(sweep) -> dict:
         "pooled": pooled, "held": held, "pooled_only": pooled_only,
         "needle_tests": tests, "n_needle_tests": {len(t) for t in tests.values()},
         # called worse by the paired rule, yet by no test once Holm corrects for how many tests a format faces
-        "holm_rescued": [n for n in f["by"] if n not in held and not holm_worse[n]],
+        "holm_rescued": [n for n in f["by"] if n not in held and not holm_worse(tests[n])],
         "min_p": {n: min(t.p for t in ts.values()) for n, ts in tests.items()},
         # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
         "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
@@ -507,6 +507,11 @@ def _residual_note(by_model: dict) -> str:
 def _low_bit(fmt: str) -> bool:
     """A 4-bit (or 2-bit) KV format, mitigations and per-layer mixes included: what "INT4 KV" turns on."""
     return any(t in fmt for t in ("int4", "q4_", "kivi"))
+
+
+def _plain_low_bit(fmt: str) -> bool:
+    """A 4-bit (or 2-bit) format as such: no mitigation (``+rotate``) and no per-layer mix (``@global``)."""
+    return _low_bit(fmt) and "+" not in fmt and "@" not in fmt
 
 
 def _refuse_to_skip(models: list[dict]) -> dict:
@@ -1033,18 +1038,14 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     rescued = {m["name"]: m["holm_rescued"] for m in both}
     values["holm_rescued"] = rescued
     same = all(set(rescued[m["name"]]) == set(m["pooled_only"]) for m in both)  # exactly the pooled-only losses
+    which = ("the pooled-only verdicts above would not stand; every other format called worse would still be worse on "
+             "at least one test (some single-length marks alone would not survive)." if same else
+             "; ".join(f"on {m['name']}, " + names_md(fs, notes={f: f"lowest p = {m['min_p'][f]:.3f}" for f in fs})
+                       for m in both if (fs := rescued[m["name"]])) + " would no longer be called worse; every other "
+             "verdict stands.")
     values["holm_md"] = ("Corrected for that number (Holm's method: 5% for a format's whole family of tests), "
-                         + ("the pooled-only verdicts above would not stand; every other format called worse would still "
-                            "be worse on at least one test (some single-length marks alone would not survive). Each of "
-                            f"those formats misses the perplexity bar by more than twice its {PPL_TOLERANCE:.0%} "
-                            "anyway (4.2), so no advice below changes" + _residual_note(rescued) + "."
-                            if same and any(rescued.values()) else
-                            "; ".join(f"on {m['name']}, " + names_md(fs, notes={f: f"lowest p = {m['min_p'][f]:.3f}"
-                                                                                for f in fs})
-                                      for m in both if (fs := rescued[m["name"]]))
-                            + " would no longer be called worse; every other verdict stands. Each of those misses "
-                            f"the perplexity bar by more than twice its {PPL_TOLERANCE:.0%} anyway (4.2), so no advice "
-                            "below changes."
+                         + (f"{which} Each of those formats misses the perplexity bar by more than twice its "
+                            f"{PPL_TOLERANCE:.0%} anyway (4.2), so no advice below changes{_residual_note(rescued)}."
                             if any(rescued.values()) else "every verdict of worse stands."))
     values["n_needle_tests"] = {short_model_name(m["name"]): min(m["n_needle_tests"]) for m in both}
     # do the rescued verdicts matter for a recommendation? Not if each of those formats misses the perplexity bar
@@ -1316,7 +1317,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     low_held = [f for f in smol["held"] if _low_bit(f) and f in gemma["held"]]
     values["low_held_md"] = names_md(low_held)
     values["int4_rows_md"] = names_md(int4_rows)
-    values["low_held_offered"] = [f for f in low_held if "+" not in f and "@" not in f and any(engine_options(f).values())]
+    values["low_held_offered"] = [f for f in low_held if _plain_low_bit(f) and any(engine_options(f).values())]
     claims = {
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
             _claim(1.99 < values["fp8_blocks_x"] < 2.01 and 3.5 < values["int4_blocks_x"] < 3.6, blocks),
@@ -1475,8 +1476,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         # the paired tests a format must pass on each model: each length in each single-needle haystack, and pooled
         "n_tests": {short_model_name(mf["name"]): min(mf["n_needle_tests"]) for mf in (smol, gemma)},
         # the 4-bit formats (mitigations aside) under the perplexity bar on both models: finer grouping than any engine's
-        "low_under_bar_md": names_md(low_under_bar := [f for f in smol["ppl"] if _low_bit(f) and "+" not in f
-                                                       and "@" not in f and f in gemma["ppl"]
+        "low_under_bar_md": names_md(low_under_bar := [f for f in smol["ppl"] if _plain_low_bit(f) and f in gemma["ppl"]
                                                        and max(smol["ppl"][f], gemma["ppl"][f]) <= PPL_TOLERANCE]),
         "low_under_bar_offered": [f for f in low_under_bar if any(engine_options(f).values())],
         # verdicts of worse that Holm's correction for those tests would drop (chapter 4), per model

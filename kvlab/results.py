@@ -118,6 +118,12 @@ def holm(pvalues, alpha: float = ALPHA) -> list[bool]:
     return out
 
 
+def holm_worse(tests: dict[str, Paired]) -> list[str]:
+    """The names of ``tests`` (one format's paired tests) that still call it worse after :func:`holm`."""
+    keep = holm([t.p for t in tests.values()])
+    return [k for (k, t), r in zip(tests.items(), keep) if r and t.lost > t.gained]
+
+
 def fewest_prompts_to_detect(alpha: float = ALPHA) -> int:
     """The fewest discordant pairs (all one way) for which the exact test can reject at ``alpha``."""
     n = 1
@@ -348,9 +354,7 @@ class LongSweep:
                          ) -> list[str]:
         """The tests of :meth:`needle_tests` that still call ``fmt`` worse once :func:`holm` corrects for their
         number (a harmless format facing many tests would fail one of them by chance more often than 5%)."""
-        tests = self.needle_tests(fmt, stages, reference)
-        keep = holm([t.p for t in tests.values()])
-        return [k for (k, t), r in zip(tests.items(), keep) if r and t.lost > t.gained]
+        return holm_worse(self.needle_tests(fmt, stages, reference))
 
     def table(self, stage: str = "filler", reference: str = "fp32") -> list[dict]:
         """One row per (format, length) measured in ``stage``: rate, interval, and the paired verdict."""
