@@ -41,6 +41,9 @@ GIB = 1 << 30  # memory is counted in GiB, as nvidia-smi (MiB), torch and vLLM's
 # what vLLM keeps out of its share for itself (vllm PR#10511: Llama-3-8B on an H100 with default flags,
 # non-torch memory 1.79 GiB + profiled activation peak 1.26 GiB); see engine_cache
 DEFAULT_RESERVE_GIB = 3.05
+# the same model on two H100s in that PR logged non-torch 3.58 GiB + activation peak 1.26 GiB on each GPU: a reserve
+# grows with tensor parallelism (NCCL buffers). By tensor-parallel size; a size not listed takes the largest below it.
+TP_RESERVE_GIB = {1: DEFAULT_RESERVE_GIB, 2: 3.58 + 1.26}
 # bits per weight, scales included as they are for the cache: INT4 weights carry an fp16 scale and zero per 128
 # (AWQ / GPTQ-style groups: 4 + 32/128); FP8 and INT8 scales are per tensor or channel (negligible). Every weight is
 # counted at this width; checkpoints that keep the embeddings and output layer in BF16 are a little larger.

@@ -70,7 +70,7 @@ TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes within one 8-GPU node
 
 def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weights_dtype: str = "bf16",
          max_gpus: int = 64, memory_utilization: float = 0.9, gpu_hour_usd: float | None = None,
-         reserve_gib=B.DEFAULT_RESERVE_GIB) -> dict | None:
+         reserve_gib=B.TP_RESERVE_GIB) -> dict | None:
     """The fewest GPUs that hold ``concurrency`` sequences of ``context`` tokens in ``kv_format``.
 
     Tries every tensor-parallel size in :data:`TP_SIZES` that the model's heads split into, with as many
@@ -79,7 +79,8 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     running its share of the load (the sequences split as evenly as they go); cost is dollars per million
     generated tokens at the GPU's listed (or
     the given) hourly price, every GPU busy decoding. ``reserve_gib`` is the engine's own memory per GPU
-    (see :func:`kvlab.budget.fit`): a number, or ``{tp: GiB}`` for a reserve that grows with tensor parallelism.
+    (see :func:`kvlab.budget.fit`): a number for every size, or ``{tp: GiB}`` for a reserve that grows with tensor
+    parallelism (:func:`reserve_at`); the default is what vLLM logged at 1 and 2 GPUs (:data:`kvlab.budget.TP_RESERVE_GIB`).
     ``None`` when no configuration of at most ``max_gpus`` GPUs holds the load. ``spare``: sequences of room
     left over (0: the load fills the pool exactly, no headroom).
     """
@@ -90,14 +91,14 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     shape = B.load_shape(model)
     if shape.max_position_embeddings and context > shape.max_position_embeddings:
         raise ValueError(f"context {context:,} is past {shape.name}'s {shape.max_position_embeddings:,}-token window")
-    reserves = _reserves(reserve_gib)
+    reserve_at(1, reserve_gib)  # validated once, before the search
     best = None
     for tp in TP_SIZES:
         try:
             B._check_tp(shape, tp)
         except ValueError:  # heads that do not split over tp ranks: not a layout an engine can run
             continue
-        reserve = reserves[max(t for t in reserves if t <= tp)]
+        reserve = reserve_at(tp, reserve_gib)
         room = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp,
                                  memory_utilization=memory_utilization, reserve_gib=reserve)
         if not room:
@@ -141,11 +142,18 @@ def vllm_command(plan: dict, context: int, model: str = "YOUR/MODEL", memory_uti
     return line
 
 
+def reserve_at(tp: int, reserve_gib=B.TP_RESERVE_GIB) -> float:
+    """The engine's reserve in GiB on each GPU at tensor-parallel size ``tp``: a number applies at every size; a
+    dict ``{tp: GiB}`` must give tp=1, and a size it leaves out takes the entry of the largest size below it (a
+    reserve grows with tensor parallelism, it does not shrink)."""
+    tp = B._positive_int("tp", tp)
+    reserves = _reserves(reserve_gib)
+    return reserves[max(t for t in reserves if t <= tp)]
+
+
 def _reserves(reserve_gib) -> dict[int, float]:
-    """``{tp: GiB}``: a number applies at every size; a dict must give tp=1, and a size it leaves out takes the
-    entry of the largest size below it (a reserve grows with tensor parallelism, it does not shrink)."""
     if not isinstance(reserve_gib, dict):
-        return {1: reserve_gib}
+        return {1: B._gib("reserve_gib", reserve_gib)}
     if not reserve_gib or 1 not in reserve_gib:
         raise ValueError(f"reserve_gib as a dict must give tp=1 (GiB per GPU by tensor-parallel size), got {reserve_gib!r}")
     for tp in reserve_gib:

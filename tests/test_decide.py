@@ -88,11 +88,27 @@ def test_plan_holds_the_load_on_the_fewest_gpus(fmt):
     p = decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, fmt)
     assert p["replicas"] * p["per_replica"] >= 64 and p["gpus"] == p["tp"] * p["replicas"]
     for tp in decide.TP_SIZES:  # no layout on fewer GPUs holds it
-        room = B.max_concurrency("llama-3.1-8b", 32768, fmt, "H100-80GB", tp=tp)
+        room = B.max_concurrency("llama-3.1-8b", 32768, fmt, "H100-80GB", tp=tp, reserve_gib=decide.reserve_at(tp))
         for replicas in range(1, 64):
             if tp * replicas < p["gpus"]:
                 assert replicas * room < 64, (tp, replicas, room)
     assert p["tokens_per_s"] > 0 and p["usd_per_million_tokens"] > 0
+
+
+def test_the_reserve_grows_with_tensor_parallelism_as_vllm_logged_it():
+    assert decide.reserve_at(1) == B.DEFAULT_RESERVE_GIB and decide.reserve_at(2) > decide.reserve_at(1)
+    assert decide.reserve_at(8) == decide.reserve_at(2)  # a size not logged takes the largest logged below it
+    assert decide.reserve_at(4, 7.5) == 7.5 and decide.reserve_at(3, {1: 1.0, 2: 2.0, 4: 4.0}) == 2.0
+    for bad, match in [(0, "tp"), (True, "tp")]:
+        with pytest.raises(ValueError, match=match):
+            decide.reserve_at(bad)
+    with pytest.raises(ValueError, match="reserve_gib"):
+        decide.reserve_at(1, -1.0)
+    # the default plan uses it: the same plan as when the reserves are passed explicitly, and never more room
+    grown = decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "bf16")
+    assert grown == decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "bf16", reserve_gib=dict(B.TP_RESERVE_GIB))
+    flat = decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "bf16", reserve_gib=B.DEFAULT_RESERVE_GIB)
+    assert grown["gpus"] >= flat["gpus"]
 
 
 def test_plan_cost_follows_the_price_and_gives_up_past_max_gpus():
