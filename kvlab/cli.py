@@ -423,6 +423,10 @@ def cmd_niah_endpoint(args) -> int:
         if off is not None and off > E.LENGTH_TOLERANCE:
             print(f"kvlab: warning: {url} counted prompts up to {off} tokens away from their intended length; "
                   "check that --tokenizer is the served model's", file=sys.stderr)
+    for url, n in doc.get("length_unchecked", {}).items():  # a server that does not count: say the check did not run
+        if n:
+            print(f"kvlab: warning: {url} gave no readable usage.prompt_tokens for {n} answer(s); their prompt length "
+                  "was not checked against --tokenizer", file=sys.stderr)
     if interrupted:
         print(f"kvlab: interrupted during the perplexity rung; wrote the ladder to {E._printable(str(out))}", file=sys.stderr)
         return 130

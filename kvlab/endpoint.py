@@ -648,7 +648,8 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
 
     Returns a JSON-ready dict: ``results`` (``EvalResult`` fields per endpoint URL),
     ``errors`` (requests that failed after their retries), ``length_check`` (largest
-    difference between a prompt's intended length and the server's ``prompt_tokens``), and
+    difference between a prompt's intended length and the server's ``prompt_tokens``), ``length_unchecked``
+    (answers that carried no readable ``usage.prompt_tokens``, so no length check), and
     with a student: ``disagreements`` and ``agreement`` (with its caveat).
     """
     teacher_url = base_url(teacher_url)
@@ -661,6 +662,9 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
            "errors": {u: [{"key": k, "error": r["error"]} for k, r in by[u].items() if r.get("error")] for u in urls},
            "length_check": {u: max((abs(r["prompt_tokens"] - r["length"]) for r in by[u].values()
                                     if isinstance(r.get("prompt_tokens"), int)), default=None) for u in urls},
+           # answers whose usage.prompt_tokens was missing or unreadable: their length was not checked
+           "length_unchecked": {u: sum(1 for r in by[u].values() if not r.get("error")
+                                       and not isinstance(r.get("prompt_tokens"), int)) for u in urls},
            "seconds_per_request": {u: _mean_or_none([r["seconds"] for r in by[u].values() if not r.get("error")
                                                      and isinstance(r.get("seconds"), int | float)]) for u in urls}}
     if student_url:

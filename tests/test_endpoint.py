@@ -390,6 +390,19 @@ def test_a_result_names_the_servers_kv_format_not_its_url(stub, tmp_path):
     assert E.side_by_side(recs, s.url)["results"][E.base_url(s.url)]["kv_format"] == "fp8"
 
 
+@pytest.mark.parametrize("usage", [{"prompt_tokens": float("nan")}, {"prompt_tokens": "3"}, None, {"prompt_tokens": -1}])
+def test_answers_without_a_readable_prompt_count_are_counted_and_warned(stub, tmp_path, capsys, usage):
+    body = json.loads(json.dumps(_completion(), allow_nan=True))
+    body["usage"] = usage
+    s = stub(lambda n: (200, json.dumps(body, allow_nan=True).encode()))
+    out = tmp_path / "r.json"
+    main(["niah", "--endpoint", s.url, "--lengths", "128", "--depths", "0.5",
+          "--trials", "2", "--max-tokens", "4", "--out", str(out), "--top-logprobs", "0"])
+    doc = E.load(out)
+    assert doc["length_unchecked"][E.base_url(s.url)] == 2 and doc["length_check"][E.base_url(s.url)] is None
+    assert "gave no readable usage.prompt_tokens for 2 answer(s)" in capsys.readouterr().err
+
+
 def test_the_table_keeps_every_length_asked_when_requests_fail(stub, tmp_path):
     """A length whose every request failed stays a column ("—"), the failures are counted under the table, and a
     run where nothing was answered is still a well-formed table."""
