@@ -37,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 MAX_LENGTH = 1 << 20  # tokens in one prompt: past every model here (a larger one would only exhaust memory)
-MAX_REQUESTS = 1_000_000  # serve-sim replays this many at most (about a minute of simulation on a laptop)
+MAX_REQUESTS = 100_000  # serve-sim replays this many at most: 1-2 minutes on a 2-core laptop (serving_replay.json:
+# about 2,000 requests/s generated and 2,300-3,500/s replayed); a million took over 10 minutes
 
 
 MAX_NUMBER_CHARS = 40  # a number flag longer than this is refused before it is parsed
