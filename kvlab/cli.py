@@ -174,6 +174,10 @@ def cmd_formats(args) -> int:
                 print(f"  {names[k]:<13} {v or 'not available (no documented option stores exactly this)'}")
             if preset in t["notes"]:
                 print(f"  note: {t['notes'][preset]}")
+        for fmt, opts in t.get("nearest", {}).items():  # engine formats close to a kvlab one, not exactly it
+            print(f"{fmt} (no preset; the nearest engine options)")
+            for k, v in opts.items():
+                print(f"  {names[k]:<13} {v}")
         print("\nsources:")
         for e in t["engines"].values():
             print(f"  {e['name']}: {e['source']}")

@@ -134,12 +134,13 @@ def vllm_command(plan: dict, context: int, model: str = "YOUR/MODEL", memory_uti
     kv = flag.split(" (")[0].split(" with ")[0]  # "--kv-cache-dtype fp8 (= fp8_e4m3)" -> "--kv-cache-dtype fp8"
     line = (f"vllm serve {model} {kv} --max-model-len {context} --gpu-memory-utilization {memory_utilization:g} "
             f"--tensor-parallel-size {plan['tp']} --max-num-seqs {plan['per_replica']}")
-    if "fp8" in kv:  # scales measured from the data, not 1.0 (chapter 2): closer to the per-prompt scale measured
-        line += " --calculate-kv-scales"
+    notes = []
     if plan["replicas"] > 1:
-        line += (f"   # on each of {plan['replicas']} replicas ({plan['tp']} GPU{'s' if plan['tp'] > 1 else ''} "
-                 "each), behind a load balancer")
-    return line
+        notes.append(f"on each of {plan['replicas']} replicas ({plan['tp']} GPU{'s' if plan['tp'] > 1 else ''} each), "
+                     "behind a load balancer")
+    if "fp8" in kv:  # vLLM reads FP8 scales from the checkpoint, else 1.0 (--calculate-kv-scales was removed, PR #49389)
+        notes.append("FP8 scales from a checkpoint calibrated with llm-compressor, else 1.0 (chapter 2)")
+    return line + ("   # " + "; ".join(notes) if notes else "")
 
 
 def reserve_at(tp: int, reserve_gib=B.TP_RESERVE_GIB) -> float:
@@ -163,6 +164,8 @@ def _reserves(reserve_gib) -> dict[int, float]:
 
 
 EVAL_DEPTHS, EVAL_TRIALS = (0.0, 0.25, 0.5, 0.75, 1.0), 10  # the comparison each row prints: 50 prompts a length
+EVAL_MAX_TOKENS = 12  # tokens each answer may take (kvlab niah's default): the longest prompt is the context minus these
+EVAL_PPL_WINDOWS = 16  # held-out passages for perplexity, as chapter 4 read
 REFERENCE_FORMATS = ("bf16", "fp16", "fp32")  # full precision: the reference every paired test compares against
 
 
@@ -198,9 +201,11 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
     base = None
     rows = []
     # chapter 4's advice: perplexity first, then needles at several lengths up to the context served, not only the longest
-    lengths = ",".join(str(n) for n in sorted({n for n in (context // 8, context // 2) if n >= 256} | {context}))
+    # (the longest leaves room for the answer: a server started with --max-model-len=context refuses more)
+    longest = context - EVAL_MAX_TOKENS
+    lengths = ",".join(str(n) for n in sorted({n for n in (context // 8, context // 2) if 256 <= n < longest} | {longest}))
     eval_args = (f"--lengths {lengths} --depths {','.join(f'{d:g}' for d in EVAL_DEPTHS)} --trials {EVAL_TRIALS} "
-                 "--haystack prose --ppl-windows 8")
+                 f"--max-tokens {EVAL_MAX_TOKENS} --haystack prose --ppl-windows {EVAL_PPL_WINDOWS}")
     for name in formats:
         b = B.budget(model, concurrency, context, name, tp=tp)
         fits = b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu

@@ -752,9 +752,10 @@ def markdown(doc: dict) -> str:
 def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, max_windows: int = 4) -> float:
     """Perplexity of held-out text from the prompt logprobs the server returns with ``echo`` (``max_tokens=1``).
 
-    What it measures depends on the server's prefill: vLLM and ``kvlab serve`` (default) let a
-    fresh prompt attend in full precision, so this rung moves with the KV format only where the
-    prompt itself reads the quantized cache (``kvlab serve --prefill cached``, chunked prefill).
+    What it measures depends on the server's prefill: where the prompt reads its own quantized cache
+    (vLLM V1 and llama.cpp, ``kvlab serve --prefill cached``) every scored token sees the KV format;
+    ``kvlab serve``'s default lets a fresh prompt attend in full precision, so there a prompt scored in
+    one forward pass never reads the quantized cache and this rung cannot see the format (chapter 4.4).
     """
     from .tasks import heldout_windows
 

@@ -65,7 +65,7 @@ def cache_budget() -> Facts:
     """Chapter 1: the 70B headline in GiB with the engine's reserve, weights vs cache quantization side by
     side, and kvlab's engine model read against published vLLM start-up logs."""
     from . import budget as B
-    from .formats import engines_offering
+    from .formats import engine_options, engines_offering
 
     G, c = B.GIB, CH1
     fit = B.fit(c["model"], c["gpu"], c["weights"], memory_utilization=c["utilization"])
@@ -82,7 +82,8 @@ def cache_budget() -> Facts:
     miss_shape = B.load_shape(misses[0]["model"]) if misses else None
     values = {
         **c, "gpu_gib": B.get_gpu(c["gpu"]).memory_bytes / G, "gpu_gb": B.get_gpu(c["gpu"]).nominal_gb,
-        "int4_cache_engines": names_md(sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})).replace("`", ""),
+        "int4_cache_engines": names_md(int4_engines()[0]).replace("`", ""),
+        "int4_near_engines": names_md(int4_engines()[1]).replace("`", ""),
         "int4_weight_bits": B.WEIGHT_BITS["int4"],
         "fp4_cache_engines": names_md(engines_offering(["nvfp4"]).get("nvfp4", [])).replace("`", ""), "weights_gib": fit.weights_bytes_per_gpu / G,
         "usable_gib": fit.usable_bytes_per_gpu / G, "reserve_gib": fit.reserve_bytes_per_gpu / G,
@@ -108,6 +109,10 @@ def cache_budget() -> Facts:
         "rounding_tokens": B.LOG_ROUNDING_GIB * G / shown["bytes_per_token"],
         "default_reserve_gib": B.DEFAULT_RESERVE_GIB,
         "logs_md": _logs_md(logs),
+        # by hand under tensor parallelism: one GPU's share of one 32k sequence's BF16 cache
+        "tp_gib": {tp: B.budget(c["model"], 1, c["context"], "bf16", tp=tp).cache_bytes_per_gpu / G for tp in (1, 2, 8, 16)},
+        "mla_gib": {tp: B.budget("deepseek-v3", 1, c["context"], "bf16", tp=tp).cache_bytes_per_gpu / G for tp in (1, 8)},
+        "kv_heads": B.load_shape(c["model"]).layers[0].kv_heads,
         "grid_md": "| weights \\ KV cache | BF16 | FP8 | INT4 |\n|---|---:|---:|---:|\n" + "\n".join(
             f"| {w.upper()} | " + " | ".join(str(grid[(w, k)]) for k in ("bf16", "fp8_e4m3", "int4")) + " |"
             for w in ("bf16", "fp8", "int4")),
@@ -128,6 +133,17 @@ def cache_budget() -> Facts:
                    (values["fp8_kib"], fp8_log["bytes_per_token"])),
         "the shown log's breakdown gives its printed cache memory":
             _claim(abs(values["log_available_gib"] - n["available_gib"]) <= 0.01, values["log_available_gib"]),
+        "tensor parallelism splits the KV heads: half a GPU's share at 2, an eighth at 8, no less past the head count":
+            _claim(values["kv_heads"] == 8 and abs(values["tp_gib"][2] - values["tp_gib"][1] / 2) < 1e-9
+                   and abs(values["tp_gib"][8] - values["tp_gib"][1] / 8) < 1e-9 and values["tp_gib"][16] == values["tp_gib"][8],
+                   values["tp_gib"]),
+        "an MLA latent is whole on every GPU": _claim(values["mla_gib"][8] == values["mla_gib"][1], values["mla_gib"]),
+        "an exact INT4 preset in LMDeploy, llama.cpp and transformers; vLLM's INT4 only near one; none in SGLang or TensorRT-LLM":
+            _claim(int4_engines() == (["LMDeploy", "llama.cpp", "transformers"], ["vLLM"]), int4_engines()),
+        "NVFP4 caches in SGLang, TensorRT-LLM and vLLM, the last two on Blackwell":
+            _claim(set(engines_offering(["nvfp4"])["nvfp4"]) == {"SGLang", "TensorRT-LLM", "vLLM"}
+                   and all("Blackwell" in engine_options("nvfp4")[e] for e in ("TensorRT-LLM", "vLLM")),
+                   engine_options("nvfp4")),
         "the logs cover at least four models and two cache dtypes":
             _claim(values["n_models"] >= 4 and len({x["fmt"] for x in logs}) >= 2, values["n_models"]),
     }
@@ -153,6 +169,7 @@ def triton_attention(decode_cpu: dict | None = None) -> Facts:
     steps = {f: roofline.decode_step(CH3_MODEL, 1, CH3_CONTEXT, f, gpu=CH3_GPU) for f in CH3_FORMATS}
     pred = {f: roofline.predicted_speedup(CH3_MODEL, CH3_CONTEXT, f) for f in CH3_FORMATS}
     whole = {f: decide.step_time(CH3_MODEL, 1, CH3_CONTEXT, f, CH3_GPU).seconds for f in ["bf16", "fp8_e4m3", "int4"]}
+    whole_w8 = {f: decide.step_time(CH3_MODEL, 1, CH3_CONTEXT, f, CH3_GPU, "fp8").seconds for f in ["bf16", "fp8_e4m3", "int4"]}
     shape = B.load_shape(CH3_MODEL)
     gqa = shape.q_heads // shape.layers[0].kv_heads
     cuda_ridge = H200_FP32_FLOPS / B.get_gpu(CH3_GPU).bandwidth_bytes_per_s
@@ -171,11 +188,16 @@ def triton_attention(decode_cpu: dict | None = None) -> Facts:
     values = {"steps": steps, "pred": pred, "ridge": steps["bf16"].ridge, "cuda_ridge": cuda_ridge, "cuda_fma": cuda_ridge / 2,
               "aot": aot, "by_arch": by_arch,
               "fp8_whole": whole["bf16"] / whole["fp8_e4m3"], "int4_whole": whole["bf16"] / whole["int4"],
+              "fp8_whole_w8": whole_w8["bf16"] / whole_w8["fp8_e4m3"], "int4_whole_w8": whole_w8["bf16"] / whole_w8["int4"],
               "context": CH3_CONTEXT, "dec": dec, "lo": int(lo), "hi": int(hi), "tile": dec["tile_tokens"],
-              "int4_peak_mb": mem["int4"][0] / 1e6, "int4_fp32_mb": mem["int4"][1] / 1e6, "r": r,
+              "int4_peak_mib": mem["int4"][0] / 2**20, "int4_fp32_mib": mem["int4"][1] / 2**20, "r": r,
               "int8_lo": ctx[lo]["int8"]["ratio_to_dynamic"], "bp": bp, "weights_mb": w / 1e6,
-              "dyn_cache_mb": ctx[hi]["DynamicCache"]["cache_bytes"] / 1e6}
+              "dyn_cache_mb": ctx[hi]["DynamicCache"]["cache_bytes"] / 1e6,
+              "int4_fewer_bytes": 1 - bp["int4"] / bp["int8"]}  # a whole step's bytes, weights included
     claims = {
+        "INT4 reads about half INT8's cache bytes but under 15% fewer bytes a step":
+            _claim(0.45 < ctx[hi]["int4"]["cache_bytes"] / ctx[hi]["int8"]["cache_bytes"] < 0.6
+                   and 0 < values["int4_fewer_bytes"] < 0.15, (values["int4_fewer_bytes"], ctx[hi]["int4"]["cache_bytes"])),
         "every format sits more than ten times below the tensor-core ridge point":
             _claim(all(st.intensity < st.ridge / 10 for st in steps.values())),
         "the H200's ridge point is about 200 FLOP/byte": _claim(150 < values["ridge"] < 250, values["ridge"]),
@@ -186,6 +208,9 @@ def triton_attention(decode_cpu: dict | None = None) -> Facts:
             _claim(1.9 < pred["fp8_e4m3"] <= 2.0 and 3.4 < pred["int4"] < 3.6, pred),
         "for the whole step at batch 1 the gain is far smaller":
             _claim(values["fp8_whole"] < 1.3 and values["int4_whole"] < 1.3, whole),
+        "with FP8 weights the cache's share of a step grows, and so does its gain (still under 1.5x)":
+            _claim(values["fp8_whole"] < values["fp8_whole_w8"] < 1.5 and values["int4_whole"] < values["int4_whole_w8"] < 1.5,
+                   whole_w8),
         "a tile is 4,096 tokens": _claim(dec["tile_tokens"] == 4096, dec["tile_tokens"]),
         "a decode step needs far less than one layer's full-precision K and V":
             _claim(all(pk < full / 2 for pk, full in mem.values()), mem),
@@ -832,6 +857,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m["flipped_at_longest_md"] = names_md(m["flipped_at_longest"])
         m["int4_at"] = ", ".join(_k(n) for n in m["by"]["int4"]["worse_at"]) or "no length" if "int4" in m["by"] else "—"
         m["int4_cells"] = len(m["by"]["int4"]["worse_at"]) if "int4" in m["by"] else 0
+        m["int4_pooled"] = m["pooled"].get("int4")
+        m["int4_one_in"] = round(m["int4_pooled"].prompts / m["int4_pooled"].lost) if m["int4_pooled"] and m["int4_pooled"].lost else None
         m["n_lengths"] = len(m["lengths"])
     values["prose_md"] = _stage_md([values[k] for k in keys], "prose")
     values["cached_md"] = _stage_md([values[k] for k in keys], "cached")
@@ -933,8 +960,16 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
     values["s_cached_md"] = ((f"{S['cached']['lengths_text']} (paired) and " if S is not None and S["cached"]["measured"]
                               else "") + f"{values['pf_length']:,} tokens (unpaired)")
+    from .formats import get_format as _fmt
+    values["g16_bits"] = _fmt("int4_g16").bits_per_element(128)
     g_claims = {} if G is None else {
         "on Gemma q4_0 and int4_g16 are never worse": _claim({"q4_0", "int4_g16"} <= set(G["never"]), G["never"]),
+        "pooled, int4 lost over 15% of Gemma's prompts and was clearly worse (p < 0.001)":
+            _claim(G["int4_pooled"].lost > 0.15 * G["int4_pooled"].prompts and G["int4_pooled"].p < 1e-3,
+                   G["int4_pooled"]),
+        "groups of 16 held on both models, groups of 32 (q4_0) on Gemma only, the 64-value int4 on neither":
+            _claim("int4_g16" in S["held"] and "int4_g16" in G["held"] and "q4_0" in G["held"] and "q4_0" not in S["held"]
+                   and "int4" not in S["held"] and "int4" not in G["held"], (S["held"], G["held"])),
         "on Gemma int4 passes the short needle and is worse at a longer length": _claim("int4" in G["later"], G["later"]),
         "on Gemma int4_token is worse at every length": _claim(G["by"]["int4_token"]["worse_at"] == G["lengths"],
                                                                G["by"]["int4_token"]["worse_at"]),
@@ -1210,6 +1245,17 @@ CH5_POOLS_GIB = [0.5, 1, 2, 4, 8, 16, 32, 64]
 CH5_QUALITY_FORMATS = ["bf16", "fp8_e4m3", "q8_0", "kivi-4", "int4", "q4_0", "int4_token", "int4_tensor"]
 CH5_PPL_LIMIT = PPL_TOLERANCE  # the workbook's one perplexity bar (kvlab.results)
 INT4_CACHES = ["int4", "lmdeploy-int4", "q4_0", "hf-int4"]  # the INT4 presets an engine might offer
+INT4_NEAR = ["int4_token+rotate"]  # kvlab INT4 formats an engine stores nearly (vLLM 0.26's int4_per_token_head)
+
+
+def int4_engines() -> tuple[list[str], list[str]]:
+    """The engines with an integer INT4 cache: those storing one of kvlab's INT4 presets exactly, and those whose
+    INT4 cache is only near one of kvlab's formats (``kvlab formats --engines``)."""
+    from .formats import engine_nearest, engines_offering
+
+    exact = sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})
+    near = sorted({e for f in INT4_NEAR for e in engine_nearest(f)} - set(exact))
+    return exact, near
 
 
 CH5_TRACE = dict(n=400, docs=200, doc_len=1000, rate=4.0, seed=0)  # the rest: kvlab.workloads.rag's defaults
@@ -1230,7 +1276,6 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     from . import budget as B
     from . import simulator as S
     from .decide import REFERENCE_FORMATS
-    from .formats import engines_offering
     from .results import LONG_SWEEPS, LongSweep
     from .workloads import cost_split
 
@@ -1251,7 +1296,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     b, f8, i4 = split["bf16"], split["fp8_e4m3"], split["int4"]
     gain = {n: r["saving_shared"] - r["saving_unshared"] for n, r in split.items()}
     usd = {n: (b["usd_unshared"] - r["usd_unshared"], b["usd_shared"] - r["usd_shared"]) for n, r in split.items()}
-    int4_engines = sorted({e for es in engines_offering(INT4_CACHES).values() for e in es})
+    int4_exact, int4_near = int4_engines()
 
     sweeps = sweeps or {m: LongSweep.load(path) for m, path in LONG_SWEEPS.items()}
     mfs = [_model_facts(sw) for sw in sweeps.values()]
@@ -1290,7 +1335,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "ws": ws, "ceiling": ceiling, "ws_gap_points": 100 * min(ceiling - y for y in at_reused.values()),
         "fp8_blocks_x": blocks["fp8_e4m3"] / blocks["bf16"], "int4_blocks_x": blocks["int4"] / blocks["bf16"],
         "b": b, "f8": f8, "i4": i4, "gain_f8": 100 * gain["fp8_e4m3"], "gain_i4": 100 * gain["int4"],
-        "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_engines),
+        "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_exact), "int4_near": ", ".join(int4_near),
         "ppl": ppl, "int4_labels": {f: needle[f] for f in int4_rows},
         # to admit an INT4 row on perplexity alone, the limit must pass its larger increase of the two models
         "min_int4_ppl": min(max(ppl[f].values()) for f in int4_rows),
@@ -1341,9 +1386,9 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "sharing cuts BF16's own cost": _claim(b["usd_shared"] < b["usd_unshared"]),
         "in dollars the saving does not grow with sharing":
             _claim(all(usd[n][1] <= usd[n][0] + 1e-9 for n in ["fp8_e4m3", "int4"]), usd),
-        "vLLM and SGLang list no INT4 cache; LMDeploy and llama.cpp do":
-            _claim(not {"vLLM", "SGLang"} & set(int4_engines) and {"LMDeploy", "llama.cpp"} <= set(int4_engines),
-                   int4_engines),
+        "SGLang lists no integer INT4 cache; LMDeploy and llama.cpp store kvlab's INT4 presets; vLLM's is only near one":
+            _claim(not {"vLLM", "SGLang"} & set(int4_exact) and {"LMDeploy", "llama.cpp"} <= set(int4_exact)
+                   and int4_near == ["vLLM"], (int4_exact, int4_near)),
         "the cheapest rows are the small formats":
             _claim(by_fmt["int4_tensor"]["usd_per_m_tokens"] < by_fmt["bf16"]["usd_per_m_tokens"]),
         "INT4 per tensor was worse than full precision on both models' needles from the shortest length":
@@ -1406,7 +1451,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     """
     from . import budget as B
     from . import decide
-    from .formats import engine_options, get_format
+    from .formats import engine_nearest, engine_options, get_format
     from .results import (
         LONG_SWEEPS,
         PPL_TOLERANCE,
@@ -1457,6 +1502,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "plans": plans, "plans_md": _plans_md(plans, by), "mbu": MBU, "mfu": MFU, "ppl_bar": PPL_TOLERANCE,
         "noise_lo": min(noise), "noise_hi": max(noise), "eight_md": names_md(eight), "ppl2": ppl2, "risk": risk,
         "nvfp4_bits": get_format("nvfp4").bits_per_element(128),
+        "nvfp4_engines": names_md([e for e, flag in engine_options("nvfp4").items() if flag]).replace("`", ""),
         "plans_flat": plans_flat, "big_reserve_gib": big, "plans_big": plans_big, "tp2_reserve_gib": B.TP_RESERVE_GIB[2],
         "reserve_gib": B.DEFAULT_RESERVE_GIB,
         "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
@@ -1500,6 +1546,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
                                       f"{short_model_name(mf['name'])}" for mf in (smol, gemma)) if call else "—",
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
+        # vLLM 0.26's int4_per_token_head: nearest kvlab format int4_token+rotate (kvlab formats --engines)
+        "vllm_int4_near": (vllm_near := next((f for f in INT4_NEAR if "vLLM" in engine_nearest(f)), None)),
+        "s_vllm_int4": needle_label(smol, vllm_near) if vllm_near else "—",
+        "g_vllm_int4": needle_label(gemma, vllm_near) if vllm_near else "—",
+        "ppl_vllm_int4": [smol["ppl"].get(vllm_near), gemma["ppl"].get(vllm_near)] if vllm_near else [None, None],
         "prompts": smol["prompts"] if smol["prompts_all"] == gemma["prompts_all"] and len(smol["prompts_all"]) == 1 else None,
         "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
         # the only evidence on those, and on the INT4 caches LMDeploy and transformers offer: SmolLM2's older ladder
@@ -1539,6 +1590,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim({"vLLM", "SGLang", "TensorRT-LLM"} <= set(f8["engines"]), f8["engines"]),
         "INT4 holds about 1.8x FP8's sequences": _claim(1.6 < values["int4_over_fp8"] < 2.0, values["int4_over_fp8"]),
         "INT4 with one scale per tensor is not on the shortlist": _claim("int4_tensor" not in picks),
+        "the nearest kvlab format to vLLM's INT4 cache held on SmolLM2, was worse on Gemma and missed the bar on both":
+            _claim(values["vllm_int4_near"] == "int4_token+rotate" and values["s_vllm_int4"] == "held"
+                   and values["g_vllm_int4"].startswith("worse") and min(values["ppl_vllm_int4"]) > PPL_TOLERANCE,
+                   (values["s_vllm_int4"], values["g_vllm_int4"], values["ppl_vllm_int4"])),
         "INT4 with a scale and zero per 64 values costs over 10x FP8's perplexity on both models":
             _claim(all(i > 10 * max(f, 1e-3) for i, f in zip(ppl2["int4"], ppl2["fp8_e4m3"])), (ppl2["int4"], ppl2["fp8_e4m3"])),
         "the longest context SmolLM2 was measured at is below the context asked about":

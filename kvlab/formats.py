@@ -192,7 +192,8 @@ def register(fmt: KVFormat) -> KVFormat:
 _VLLM_FP8 = (
     "vLLM --kv-cache-dtype fp8 / fp8_e4m3: FP8 E4M3 with one fp32 scale per tensor "
     "(vLLM docs, 'Quantized KV Cache'); kvlab computes the scale from the data, vLLM uses 1.0 unless the "
-    "checkpoint ships scales or --calculate-kv-scales is set (chapter 2 measures what that costs)"
+    "checkpoint ships scales (its run-time estimate, --calculate-kv-scales, was removed in 2026: vllm PR #49389; "
+    "chapter 2 measures what a scale of 1.0 costs)"
 )
 for _fmt in (
     _same("fp32", _q("float32"), source="full precision"),
@@ -331,6 +332,14 @@ def engine_options(fmt: str | KVFormat) -> dict[str, str | None]:
     if f.name not in t["presets"]:
         raise ValueError(f"{f.name!r} is not a preset; engine options exist for: {', '.join(t['presets'])}")
     return {t["engines"][k]["name"]: v for k, v in t["presets"][f.name].items()}
+
+
+def engine_nearest(fmt: str | KVFormat) -> dict[str, str]:
+    """``{engine name: option}`` for engine formats that are close to ``fmt`` but not exactly it (e.g. vLLM's
+    ``int4_per_token_head`` to kvlab's ``int4_token+rotate``); each option says how it differs. Empty for most."""
+    f = get_format(fmt)
+    t = engine_table()
+    return {t["engines"][k]["name"]: v for k, v in t.get("nearest", {}).get(f.name, {}).items() if v}
 
 
 def engines_offering(formats) -> dict[str, list[str]]:

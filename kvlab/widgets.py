@@ -175,7 +175,7 @@ class BudgetExplorer(_Panel):
         verdict = "fits" if m["fits"] else "does <b>not</b> fit"
         self.status.value = (
             f"{a['batch']} x {a['context']:,} tokens in {a['kv_format']}: cache {m['cache']:,.1f} GiB per GPU, "
-            f"weights {m['weights']:,.1f} GiB, engine reserve {m['reserve']:,.1f} GiB, "
+            f"weights {m['weights']:,.1f} GiB, engine reserve {m['reserve']:,.2f} GiB, "
             f"usable {m['usable']:,.1f} GiB &rarr; {verdict}."
             + _engine_line(a["kv_format"])
         )

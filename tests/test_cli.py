@@ -165,7 +165,7 @@ def test_bad_files_and_values_exit_2_with_one_line(argv, needle, tmp_path, capsy
 def test_formats_engines_names_every_preset_and_cites_every_engine(capsys):
     import json
 
-    from kvlab.formats import engine_options, engine_table, format_names
+    from kvlab.formats import engine_nearest, engine_options, engine_table, format_names, get_format
 
     t = engine_table()
     presets = [n for n in format_names()]
@@ -176,9 +176,15 @@ def test_formats_engines_names_every_preset_and_cites_every_engine(capsys):
     assert engine_options("fp8")["vLLM"].startswith("--kv-cache-dtype fp8")
     assert engine_options("q4_0")["llama.cpp"] == "-ctk q4_0 -ctv q4_0 -fa on"
     assert engine_options("kivi-2")["vLLM"] is None
+    assert engine_options("int8")["vLLM"].startswith("--kv-cache-dtype int8_per_token_head")  # vLLM 0.21+, Triton
+    for fmt, opts in t["nearest"].items():  # near-matches: a kvlab format, known engines, each saying how it differs
+        get_format(fmt)
+        assert set(opts) <= set(t["engines"]) and all("not exact" in v or "differ" in v for v in opts.values())
+    assert "vLLM" in engine_nearest("int4_token+rotate") and engine_nearest("int4") == {}
     assert main(["formats", "--engines"]) == 0
     out = capsys.readouterr().out
     assert "lmdeploy-int4" in out and "--quant-policy 4" in out and "sources:" in out
+    assert "int4_token+rotate (no preset; the nearest engine options)" in out and "int4_per_token_head" in out
     assert main(["formats", "--engines", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["presets"]["fp8_e5m2"]["sglang"] == "--kv-cache-dtype fp8_e5m2"
 

@@ -144,12 +144,17 @@ def test_the_vllm_command_runs_one_replica_of_the_plan():
     assert f"--tensor-parallel-size {p['tp']} --max-num-seqs {p['per_replica']}" in line
     assert (f"on each of {p['replicas']} replicas" in line) == (p["replicas"] > 1)
     assert decide.vllm_command(decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "kivi-4"), 32768) == ""
-    assert "--calculate-kv-scales" in line  # FP8 with scales from the data (the sweeps fitted them), not 1.0
-    assert "--calculate-kv-scales" not in decide.vllm_command(decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "bf16"),
+    assert "--calculate-kv-scales" not in line and "llm-compressor" in line  # removed from vLLM (PR #49389)
+    assert "scales" not in decide.vllm_command(decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, "bf16"),
                                                               32768)
 
 
 def test_the_comparison_reads_perplexity_and_needles_at_several_lengths_up_to_the_context():
     row = decide.options("llama-3.1-8b", "H100-80GB", 32768, 8, formats=["bf16", "fp8_e4m3"])[1]
-    assert "--lengths 4096,16384,32768 " in row["eval"] and "--ppl-windows 8" in row["eval"]
-    assert "--lengths 512,2048,4096 " in decide.options("llama-3.1-8b", "H100-80GB", 4096, 8, formats=["bf16"])[0]["eval"]
+    assert "--lengths 4096,16384,32756 " in row["eval"] and "--ppl-windows 16" in row["eval"]
+    assert "--lengths 512,2048,4084 " in decide.options("llama-3.1-8b", "H100-80GB", 4096, 8, formats=["bf16"])[0]["eval"]
+    # a server started with --max-model-len = the context accepts the longest prompt plus its answer
+    import re
+    lengths = [int(x) for x in re.search(r"--lengths ([\d,]+)", row["eval"])[1].split(",")]
+    answer = int(re.search(r"--max-tokens (\d+)", row["eval"])[1])
+    assert max(lengths) + answer <= 32768 < max(lengths) + answer + 64
