@@ -246,6 +246,14 @@ def names_md(fmts: list[str], empty: str = "none", notes: dict[str, str] | None 
     return fmts[0] if len(fmts) == 1 else ", ".join(fmts[:-1]) + " and " + fmts[-1]
 
 
+def _bits_notes(fmts: list[str], head_dim: int = 128) -> dict[str, str]:
+    """``{format: "N bits"}``: what a "4-bit" format really costs an element, scales included (a residual window's
+    full-precision tokens not counted), at ``head_dim``."""
+    from .formats import get_format
+
+    return {f: f"{get_format(f).bits_per_element(head_dim):.3g} bits" for f in fmts}
+
+
 def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
@@ -676,8 +684,13 @@ def _smollm2_ladder() -> tuple[dict, dict]:
         v["ppl_straddle"] = sorted(f for f in diffs if (paired.paired_perplexity(f)["increase"] <= PPL_TOLERANCE)
                                    != (lad[f]["ppl_increase"] <= PPL_TOLERANCE))
         v["ppl_straddle_md"] = names_md(v["ppl_straddle"])
+        # ... and on the same first passages, where only the code differs
+        v["ppl_straddle_same_md"] = names_md(sorted(
+            f for f in diffs if (paired.paired_perplexity(f, windows=LADDER_PPL_WINDOWS)["increase"] <= PPL_TOLERANCE)
+            != (lad[f]["ppl_increase"] <= PPL_TOLERANCE)))
     except (FileNotFoundError, KeyError):
         v["ppl_gap"], v["ladder_ppl_windows"], v["ppl_straddle"], v["ppl_straddle_md"] = None, LADDER_PPL_WINDOWS, [], "none"
+        v["ppl_straddle_same_md"] = "none"
         v["ppl_q4_first"] = None
     # 4.7: what each rung misses
     kl_gain = lad["int4_token"]["kl"] / lad["int4_token+residual128"]["kl"]
@@ -946,6 +959,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     G = values.get("G")
     S = values.get("S")
     values["S_int4_token_lost"] = None if S is None else sum(lost for lost, _ in S["lost_gained"]["int4_token"])
+    s_sweep = next((sw for m, sw in sweeps.items() if CH4_KEYS.get(m, m) == "S"), None)
+    values["S_int4_token_prose_lost"] = (s_sweep.paired_pooled("prose", "int4_token").lost
+                                         if s_sweep is not None and s_sweep.lengths("prose") else None)
     # SmolLM2's paired prompt-reads-the-cache stage, once swept: each format against full precision, and against
     # its own full-prefill answers on the same prompts
     values["s_cached_sentence_md"] = "" if S is None or not S["cached"]["measured"] else (
@@ -1021,6 +1037,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             S is None or S["vs_base"]["kivi-2+rotate"]["verdict"] == "better", S and S["vs_base"]["kivi-2+rotate"]),
         "on SmolLM2 per-token INT4 lost fewer filler prompts than the test can detect a fix for": _claim(
             S is None or values["S_int4_token_lost"] < fewest_prompts_to_detect(), values.get("S_int4_token_lost")),
+        "in SmolLM2's prose, where per-token INT4 lost more, rotation and the residual window helped it": _claim(
+            S is None or (values["S_int4_token_prose_lost"] > 2 * values["S_int4_token_lost"]
+                          and all(S["vs_base_prose"][f]["verdict"] == "better"
+                                  for f in ("int4_token+rotate", "int4_token+residual128"))),
+            S and (values["S_int4_token_prose_lost"], S["vs_base_prose"])),
         "on Gemma the 4-bit formats line up with the values a scale covers": _claim(
             {"q4_0", "int4_g16"} <= set(G["never"]) and G["by"]["int4"]["short_verdict"] != "worse"
             and 0 < len(G["by"]["int4"]["worse_at"]) < len(G["lengths"])
@@ -1359,7 +1380,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     values["qa_saving"] = 1 - values["qa_usd"] / values["bf16_usd"] if both_offered else None
     # beyond this table's rows: the 4-bit formats chapter 4 found held on both models, and whether an engine stores one
     low_held = [f for f in smol["held"] if _low_bit(f) and f in gemma["held"]]
-    values["low_held_md"] = names_md(low_held)
+    values["low_held_md"] = names_md(low_held, notes=_bits_notes(low_held))
     values["int4_rows_md"] = names_md(int4_rows)
     values["low_held_offered"] = [f for f in low_held if _plain_low_bit(f) and any(engine_options(f).values())]
     claims = {
@@ -1523,7 +1544,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "n_tests": {short_model_name(mf["name"]): min(mf["n_needle_tests"]) for mf in (smol, gemma)},
         # the 4-bit formats (mitigations aside) under the perplexity bar on both models: finer grouping than any engine's
         "low_under_bar_md": names_md(low_under_bar := [f for f in smol["ppl"] if _plain_low_bit(f) and f in gemma["ppl"]
-                                                       and max(smol["ppl"][f], gemma["ppl"][f]) <= PPL_TOLERANCE]),
+                                                       and max(smol["ppl"][f], gemma["ppl"][f]) <= PPL_TOLERANCE],
+                                     notes=_bits_notes(low_under_bar)),
         "low_under_bar_offered": [f for f in low_under_bar if any(engine_options(f).values())],
         # verdicts of worse that Holm's correction for those tests would drop (chapter 4), per model
         "holm_rescued_md": "; ".join(f"{names_md(fs)} on {short_model_name(mf['name'])}" for mf in (smol, gemma)

@@ -75,6 +75,11 @@ def test_the_glossary_states_the_workbooks_constants():
     assert f"assumes {MBU:.0%}" in text and f"one bar for it: {PPL_TOLERANCE:.0%}" in text
     assert f"and {MFU:.0%} of peak FLOPs" in text
     assert f"is {1 - 1e9 / GIB:.0%} smaller" in text
+    from kvlab.formats import get_format
+    from kvlab.results import exact_upper
+
+    assert f"0 losses in 250 prompts it is about {exact_upper(0, 250):.1%}" in text
+    assert f"{get_format('nvfp4').bits_per_element(128):.1f} bits an element; Blackwell" in text
 
 
 def test_build_refuses_bad_paths(tmp_path):
