@@ -177,7 +177,8 @@ def cmd_formats(args) -> int:
         for fmt, opts in t.get("nearest", {}).items():  # engine formats close to a kvlab one, not exactly it
             print(f"{fmt} (no preset; the nearest engine options)")
             for k, v in opts.items():
-                print(f"  {names[k]:<13} {v}")
+                if v:
+                    print(f"  {names[k]:<13} {v}")
         print("\nsources:")
         for e in t["engines"].values():
             print(f"  {e['name']}: {e['source']}")
@@ -430,8 +431,9 @@ def cmd_niah_endpoint(args) -> int:
                   "check that --tokenizer is the served model's", file=sys.stderr)
     for url, n in doc.get("length_unchecked", {}).items():  # a server that does not count: say the check did not run
         if n:
-            print(f"kvlab: warning: {url} gave no readable usage.prompt_tokens for {n} answer(s); their prompt length "
-                  "was not checked against --tokenizer", file=sys.stderr)
+            print(f"kvlab: warning: {url} gave no readable usage.prompt_tokens for {n} answer(s) in this result (answers "
+                  "resumed from the journal included); their prompt length was not checked against --tokenizer",
+                  file=sys.stderr)
     if interrupted:
         print(f"kvlab: interrupted during the perplexity rung; wrote the ladder to {E._printable(str(out))}", file=sys.stderr)
         return 130

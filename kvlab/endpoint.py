@@ -300,8 +300,8 @@ class Endpoint:
                                     f"answers said {first[:80]!r} (a redeploy behind the URL?); this answer is not kept")
         usage = doc.get("usage")
         counted = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        if isinstance(counted, bool) or not isinstance(counted, int) or not 0 <= counted <= 1 << 30:
-            counted = None  # a server that does not count, or counts in a shape we cannot read: not compared
+        if isinstance(counted, bool) or not isinstance(counted, int) or not 1 <= counted <= 1 << 30:
+            counted = None  # a server that does not count (0 included), or counts in a shape we cannot read
         out = {"text": text, "prompt_tokens": counted, "answered_as": named}
         if logprobs is not None:
             lp = choice.get("logprobs")

@@ -390,7 +390,8 @@ def test_a_result_names_the_servers_kv_format_not_its_url(stub, tmp_path):
     assert E.side_by_side(recs, s.url)["results"][E.base_url(s.url)]["kv_format"] == "fp8"
 
 
-@pytest.mark.parametrize("usage", [{"prompt_tokens": float("nan")}, {"prompt_tokens": "3"}, None, {"prompt_tokens": -1}])
+@pytest.mark.parametrize("usage", [{"prompt_tokens": float("nan")}, {"prompt_tokens": "3"}, None, {"prompt_tokens": -1},
+                                   {"prompt_tokens": 0}])
 def test_answers_without_a_readable_prompt_count_are_counted_and_warned(stub, tmp_path, capsys, usage):
     body = json.loads(json.dumps(_completion(), allow_nan=True))
     body["usage"] = usage
