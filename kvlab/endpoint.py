@@ -661,10 +661,10 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
            "results": {u: asdict(_result(list(by[u].values()), u, task)) for u in urls},
            "errors": {u: [{"key": k, "error": r["error"]} for k, r in by[u].items() if r.get("error")] for u in urls},
            "length_check": {u: max((abs(r["prompt_tokens"] - r["length"]) for r in by[u].values()
-                                    if isinstance(r.get("prompt_tokens"), int)), default=None) for u in urls},
-           # answers whose usage.prompt_tokens was missing or unreadable: their length was not checked
-           "length_unchecked": {u: sum(1 for r in by[u].values() if not r.get("error")
-                                       and not isinstance(r.get("prompt_tokens"), int)) for u in urls},
+                                    if _counted(r)), default=None) for u in urls},
+           # answers whose usage.prompt_tokens was missing, zero or unreadable: their length was not checked
+           "length_unchecked": {u: sum(1 for r in by[u].values() if not r.get("error") and not _counted(r))
+                                for u in urls},
            "seconds_per_request": {u: _mean_or_none([r["seconds"] for r in by[u].values() if not r.get("error")
                                                      and isinstance(r.get("seconds"), int | float)]) for u in urls}}
     if student_url:
@@ -685,6 +685,12 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
                                                                      if a["first_divergence"] is not None]),
             "caveat": TOPK_CAVEAT}
     return doc
+
+
+def _counted(record: dict) -> bool:
+    """Whether an answer carried a prompt-token count the length check can use (a positive integer)."""
+    n = record.get("prompt_tokens")
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
 def _paired(disagreements: list[dict], lengths: list[int]) -> dict:
