@@ -213,11 +213,15 @@ for _fmt in (
     _same("int4_tensor", _q("int4"), source="symmetric INT4, one scale per tensor"),
     _same("q8_0", _q("int8", "group", 32),
           source="llama.cpp GGML_TYPE_Q8_0: blocks of 32 int8 values with one fp16 scale, 34 bytes per block "
-                 "(ggml-common.h block_q8_0); selected with --cache-type-k/-v q8_0"),
+                 "(ggml-common.h block_q8_0); selected with --cache-type-k/-v q8_0. Since PR #21038 (April 2026) llama.cpp also "
+                 "Hadamard-rotates Q, K and V whenever the cache is quantized, unless LLAMA_ATTN_ROT_DISABLE is set; this "
+                 "preset does not rotate (q8_0+rotate is nearer to llama.cpp's default)"),
     _same("q4_0", _q("int4", "group", 32, full_range=True),
           source="llama.cpp GGML_TYPE_Q4_0: blocks of 32 4-bit values (q - 8) with one fp16 scale, 18 bytes per "
                  "block (ggml-common.h block_q4_0); selected with --cache-type-k/-v q4_0. kvlab keeps the same 18 bytes a "
-                 "block, but codes and scales in separate buffers (kvlab.layout), not interleaved as ggml does"),
+                 "block, but codes and scales in separate buffers (kvlab.layout), not interleaved as ggml does. Since PR #21038 "
+                 "(April 2026) llama.cpp also Hadamard-rotates Q, K and V whenever the cache is quantized, unless "
+                 "LLAMA_ATTN_ROT_DISABLE is set; this preset does not rotate (q4_0+rotate is nearer to llama.cpp's default)"),
     _same("hf-int4", _q("int4", "group", 64, symmetric=False), residual=128,
           source="transformers QuantizedCache (quanto backend): nbits=4, q_group_size=64, residual_length=128 "
                  "(transformers docs, 'KV cache strategies'); kvlab keeps the newest 128 tokens in full precision at "
