@@ -165,6 +165,38 @@ class Paired:
         return wilson(self.correct, self.prompts)
 
 
+def paired_nll(nll: list[float], ref_nll: list[float], tokens: list[int]) -> dict:
+    """One format's summed NLL per window against a reference's on the same windows: the perplexity increase, and
+    the book's paired rule on the windows (a two-sided sign test on those where the format did worse vs better)."""
+    if not nll or not len(nll) == len(ref_nll) == len(tokens):
+        raise ValueError(f"need one NLL per window for both formats and one token count each, got {len(nll)}, "
+                         f"{len(ref_nll)} and {len(tokens)}")
+    worse = sum(a > b for a, b in zip(nll, ref_nll))
+    better = sum(a < b for a, b in zip(nll, ref_nll))
+    tok = sum(tokens)
+    ppl, ref = math.exp(sum(nll) / tok), math.exp(sum(ref_nll) / tok)
+    return {"windows": len(nll), "tokens": tok, "perplexity": ppl, "ref_perplexity": ref, "increase": ppl / ref - 1,
+            "worse_windows": worse, "better_windows": better, "p": mcnemar(worse, better), "verdict": verdict(worse, better)}
+
+
+ROTATION_PPL = RESULTS_DIR / "rotation_ppl.json"
+
+
+def rotation_ppl(path: str | Path | None = None) -> dict:
+    """``scripts/rotation_ppl.py``'s result: each format against the first (full precision) on the same passages,
+    and each ``X+rotate`` against its ``X`` (``"X+rotate vs X"``), by :func:`paired_nll`. Empty when not shipped."""
+    path = Path(path) if path else ROTATION_PPL
+    if not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    nll, tokens, ref = doc["nll"], doc["tokens"], doc["formats"][0]
+    out = {f: paired_nll(nll[f], nll[ref], tokens) for f in doc["formats"][1:]}
+    for f in doc["formats"]:
+        if f.endswith("+rotate") and f.removesuffix("+rotate") in nll:
+            out[f"{f} vs {f.removesuffix('+rotate')}"] = paired_nll(nll[f], nll[f.removesuffix("+rotate")], tokens)
+    return out | {"_doc": {k: doc[k] for k in ("model", "date", "machine", "seconds")}}
+
+
 class LongSweep:
     """The long-context sweep (``scripts/sweep_long.py``): one record per prompt, every format's outcome.
 
@@ -247,14 +279,8 @@ class LongSweep:
                 and (windows is None or r["index"] < windows)]
         if not rows:
             raise KeyError(f"no perplexity windows where {fmt!r} and {reference!r} both ran")
-        worse = sum(r["nll"][fmt] > r["nll"][reference] for r in rows)
-        better = sum(r["nll"][fmt] < r["nll"][reference] for r in rows)
-        tok = sum(r["tokens"] for r in rows)
-        ppl = math.exp(sum(r["nll"][fmt] for r in rows) / tok)
-        ref = math.exp(sum(r["nll"][reference] for r in rows) / tok)
-        return {"kv_format": fmt, "windows": len(rows), "tokens": tok, "perplexity": ppl, "ref_perplexity": ref,
-                "increase": ppl / ref - 1, "worse_windows": worse, "better_windows": better,
-                "p": mcnemar(worse, better), "verdict": verdict(worse, better)}
+        return {"kv_format": fmt} | paired_nll([r["nll"][fmt] for r in rows], [r["nll"][reference] for r in rows],
+                                               [r["tokens"] for r in rows])
 
     def perplexity_interval(self, fmt: str, reference: str = "fp32", level: float = 0.90,
                             resamples: int = 2000) -> tuple[float, float]:
