@@ -180,6 +180,7 @@ def paired_nll(nll: list[float], ref_nll: list[float], tokens: list[int]) -> dic
 
 
 ROTATION_PPL = RESULTS_DIR / "rotation_ppl.json"
+ROTATION_PPLS = {"smollm2-135m": ROTATION_PPL, "gemma3-270m": RESULTS_DIR / "rotation_ppl_gemma3.json"}  # per model
 
 
 def rotation_ppl(path: str | Path | None = None) -> dict:

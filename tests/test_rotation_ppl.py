@@ -23,9 +23,14 @@ def test_bad_arguments_get_one_clear_error(args, needle, capsys):
     assert e.value.code == 2 and needle in err and "Traceback" not in err
 
 
-def test_the_shipped_result_covers_the_formats_the_script_sweeps():
+def test_the_shipped_results_cover_the_formats_the_script_sweeps():
     import json
 
-    from kvlab.results import ROTATION_PPL
-    doc = json.loads(ROTATION_PPL.read_text())
-    assert doc["formats"] == rotation_ppl.FORMATS and all(len(v) == len(doc["tokens"]) for v in doc["nll"].values())
+    from kvlab.results import ROTATION_PPLS
+
+    assert ROTATION_PPLS["smollm2-135m"].is_file()
+    for model, path in ROTATION_PPLS.items():
+        if path.is_file():
+            doc = json.loads(path.read_text())
+            assert doc["model"] == model and doc["formats"] == rotation_ppl.FORMATS
+            assert all(len(v) == len(doc["tokens"]) for v in doc["nll"].values())
