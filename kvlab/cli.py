@@ -752,6 +752,8 @@ def main(argv=None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except OSError:
             pass
+        if e.errno == errno.EPIPE:  # the reader stopped early (`kvlab formats | head -1`): quiet, as Unix tools are
+            return 141
         print(f"kvlab: error: cannot write the output ({e.strerror or e})", file=sys.stderr)
         return 1
 

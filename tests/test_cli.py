@@ -261,6 +261,14 @@ def test_a_result_is_never_lost_to_a_full_disk(tmp_path, capsys, monkeypatch):
     assert main(["formats"]) == 1
     assert "cannot write the output (No space left on device)" in capsys.readouterr().err
 
+    class Closed(io.StringIO):  # `kvlab formats | head -1`: the reader went away, which is not an error to report
+        def write(self, text):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["formats"]) == 141 and capsys.readouterr().err == ""
+    monkeypatch.setattr(sys, "stdout", Full())
+
     # serve says so before loading its model (it used to fail only after the load, on its first line)
     import kvlab.models
     monkeypatch.setattr(kvlab.models, "load_model", lambda *a: pytest.fail("serve loaded the model first"))
