@@ -390,18 +390,23 @@ def test_a_result_names_the_servers_kv_format_not_its_url(stub, tmp_path):
     assert E.side_by_side(recs, s.url)["results"][E.base_url(s.url)]["kv_format"] == "fp8"
 
 
-@pytest.mark.parametrize("usage", [{"prompt_tokens": float("nan")}, {"prompt_tokens": "3"}, None, {"prompt_tokens": -1},
-                                   {"prompt_tokens": 0}])
-def test_answers_without_a_readable_prompt_count_are_counted_and_warned(stub, tmp_path, capsys, usage):
-    body = json.loads(json.dumps(_completion(), allow_nan=True))
-    body["usage"] = usage
-    s = stub(lambda n: (200, json.dumps(body, allow_nan=True).encode()))
+def test_answers_without_a_readable_prompt_count_are_counted_and_warned(stub, tmp_path, capsys):
+    """One run whose answers carry a NaN, a text, a zero, a negative and no usage count at all: none is a length the
+    check can use, so all five are counted as unchecked and the CLI says so."""
+    usages = [{"prompt_tokens": float("nan")}, {"prompt_tokens": "3"}, {"prompt_tokens": 0}, {"prompt_tokens": -1}, None]
+
+    def behave(n):
+        body = json.loads(json.dumps(_completion()))
+        body["usage"] = usages[(n - 1) % len(usages)]
+        return 200, json.dumps(body, allow_nan=True).encode()
+
+    s = stub(behave)
     out = tmp_path / "r.json"
-    main(["niah", "--endpoint", s.url, "--lengths", "128", "--depths", "0.5",
-          "--trials", "2", "--max-tokens", "4", "--out", str(out), "--top-logprobs", "0"])
+    main(["niah", "--endpoint", s.url, "--model", "kvlab-tiny", "--lengths", "128", "--depths", "0.5", "--trials", "5", "--max-tokens", "4",
+          "--out", str(out), "--top-logprobs", "0", "--concurrency", "1"])
     doc = E.load(out)
-    assert doc["length_unchecked"][E.base_url(s.url)] == 2 and doc["length_check"][E.base_url(s.url)] is None
-    assert "gave no readable usage.prompt_tokens for 2 answer(s)" in capsys.readouterr().err
+    assert doc["length_unchecked"][E.base_url(s.url)] == 5 and doc["length_check"][E.base_url(s.url)] is None
+    assert "gave no readable usage.prompt_tokens for 5 answer(s)" in capsys.readouterr().err
 
 
 def test_the_table_keeps_every_length_asked_when_requests_fail(stub, tmp_path):
