@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import platform
 import statistics
 import subprocess
@@ -19,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvlab.env import cpu_model
+from kvlab.env import machine
 from kvlab.paths import RESULTS_DIR, out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +56,7 @@ def main(argv=None):
             subprocess.run([sys.executable, *cmd], capture_output=True, cwd=ROOT)
             times[name].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
-    doc = {"date": dt.date.today().isoformat(), "machine": f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores",
+    doc = {"date": dt.date.today().isoformat(), "machine": machine(),
            "python": platform.python_version(), "repeats": args.repeats,
            "median_seconds": {k: round(v, 3) for k, v in med.items()},
            "max_seconds": {k: round(max(v), 3) for k, v in times.items()}}

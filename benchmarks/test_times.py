@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
 import re
 import subprocess
@@ -23,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvlab.env import cpu_model
+from kvlab.env import machine
 from kvlab.paths import RESULTS_DIR, out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
     doc["targets"][target] = {
         "test_seconds": round(seconds, 1), "limit_seconds": LIMITS_S[target], "within_limit": seconds < LIMITS_S[target],
         "runs": runs, "wall_seconds": None if wall is None else round(wall, 1),
-        "machine": f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores", "python": platform.python_version(),
+        "machine": machine(), "python": platform.python_version(),
         "date": dt.date.today().isoformat(), "source": "this script ran it" if args.run else str(args.log.name),
     }
     write_json(args.out, doc)

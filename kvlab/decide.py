@@ -91,14 +91,14 @@ def plan(model, gpu, context: int, concurrency: int, kv_format="bf16", *, weight
     shape = B.load_shape(model)
     if shape.max_position_embeddings and context > shape.max_position_embeddings:
         raise ValueError(f"context {context:,} is past {shape.name}'s {shape.max_position_embeddings:,}-token window")
-    reserve_at(1, reserve_gib)  # validated once, before the search
+    reserves = _reserves(reserve_gib)  # checked before the search
     best = None
     for tp in TP_SIZES:
         try:
             B._check_tp(shape, tp)
         except ValueError:  # heads that do not split over tp ranks: not a layout an engine can run
             continue
-        reserve = reserve_at(tp, reserve_gib)
+        reserve = _reserve_for(reserves, tp)
         room = B.max_concurrency(model, context, name, gpu, weights_dtype, tp=tp,
                                  memory_utilization=memory_utilization, reserve_gib=reserve)
         if not room:
@@ -147,8 +147,10 @@ def reserve_at(tp: int, reserve_gib=B.TP_RESERVE_GIB) -> float:
     """The engine's reserve in GiB on each GPU at tensor-parallel size ``tp``: a number applies at every size; a
     dict ``{tp: GiB}`` must give tp=1, and a size it leaves out takes the entry of the largest size below it (a
     reserve grows with tensor parallelism, it does not shrink)."""
-    tp = B._positive_int("tp", tp)
-    reserves = _reserves(reserve_gib)
+    return _reserve_for(_reserves(reserve_gib), B._positive_int("tp", tp))
+
+
+def _reserve_for(reserves: dict[int, float], tp: int) -> float:
     return reserves[max(t for t in reserves if t <= tp)]
 
 

@@ -20,6 +20,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine(torch_threads: int | None = None) -> str:
+    """Where a measurement ran, as every shipped result records it: architecture, processor, cores (and the torch
+    threads it used, when given)."""
+    where = f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores"
+    return where if torch_threads is None else f"{where}, torch {torch_threads} threads"
+
+
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 

@@ -80,12 +80,13 @@ def cache_budget() -> Facts:
     (fp8_log,) = [x for x in logs if x["fmt"] == "fp8_e4m3"]
     fp8_shape = B.load_shape(fp8_log["model"])
     miss_shape = B.load_shape(misses[0]["model"]) if misses else None
+    int4_exact, int4_near = int4_engines()
+    nvfp4_engines = engines_offering(["nvfp4"])["nvfp4"]
     values = {
         **c, "gpu_gib": B.get_gpu(c["gpu"]).memory_bytes / G, "gpu_gb": B.get_gpu(c["gpu"]).nominal_gb,
-        "int4_cache_engines": names_md(int4_engines()[0]).replace("`", ""),
-        "int4_near_engines": names_md(int4_engines()[1]).replace("`", ""),
+        "int4_cache_engines": engines_md(int4_exact), "int4_near_engines": engines_md(int4_near),
         "int4_weight_bits": B.WEIGHT_BITS["int4"],
-        "fp4_cache_engines": names_md(engines_offering(["nvfp4"]).get("nvfp4", [])).replace("`", ""), "weights_gib": fit.weights_bytes_per_gpu / G,
+        "fp4_cache_engines": engines_md(nvfp4_engines), "weights_gib": fit.weights_bytes_per_gpu / G,
         "usable_gib": fit.usable_bytes_per_gpu / G, "reserve_gib": fit.reserve_bytes_per_gpu / G,
         "free_gib": fit.free_for_cache_per_gpu / G, "chats_gib": chats / G, "chats_x": chats / fit.free_for_cache_per_gpu,
         "grid": grid, "w4_kv8": w4_kv8, "w8_kv4": w8_kv4, "w8_kv8": grid[("fp8", "fp8_e4m3")],
@@ -139,9 +140,9 @@ def cache_budget() -> Facts:
                    values["tp_gib"]),
         "an MLA latent is whole on every GPU": _claim(values["mla_gib"][8] == values["mla_gib"][1], values["mla_gib"]),
         "an exact INT4 preset in LMDeploy, llama.cpp and transformers; vLLM's INT4 only near one; none in SGLang or TensorRT-LLM":
-            _claim(int4_engines() == (["LMDeploy", "llama.cpp", "transformers"], ["vLLM"]), int4_engines()),
+            _claim((int4_exact, int4_near) == (["LMDeploy", "llama.cpp", "transformers"], ["vLLM"]), (int4_exact, int4_near)),
         "NVFP4 caches in SGLang, TensorRT-LLM and vLLM, the last two on Blackwell":
-            _claim(set(engines_offering(["nvfp4"])["nvfp4"]) == {"SGLang", "TensorRT-LLM", "vLLM"}
+            _claim(set(nvfp4_engines) == {"SGLang", "TensorRT-LLM", "vLLM"}
                    and all("Blackwell" in engine_options("nvfp4")[e] for e in ("TensorRT-LLM", "vLLM")),
                    engine_options("nvfp4")),
         "the logs cover at least four models and two cache dtypes":
@@ -244,6 +245,11 @@ def names_md(fmts: list[str], empty: str = "none", notes: dict[str, str] | None 
     if not fmts:
         return empty
     return fmts[0] if len(fmts) == 1 else ", ".join(fmts[:-1]) + " and " + fmts[-1]
+
+
+def engines_md(engines) -> str:
+    """Engine names as prose: "vLLM, SGLang and TensorRT-LLM" (names, not code)."""
+    return names_md(list(engines)).replace("`", "")
 
 
 def _bits_notes(fmts: list[str], head_dim: int = 128) -> dict[str, str]:
@@ -767,6 +773,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
 
 def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     """Chapter 4: which formats each model's paired long-context sweep finds worse than full precision, where."""
+    from .formats import get_format
     from .results import PPL_TOLERANCE, fewest_prompts_to_detect, load_long_sweeps
 
     sweeps = sweeps if sweeps is not None else load_long_sweeps()
@@ -976,8 +983,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
     values["s_cached_md"] = ((f"{S['cached']['lengths_text']} (paired) and " if S is not None and S["cached"]["measured"]
                               else "") + f"{values['pf_length']:,} tokens (unpaired)")
-    from .formats import get_format as _fmt
-    values["g16_bits"] = _fmt("int4_g16").bits_per_element(128)
+    values["g16_bits"] = get_format("int4_g16").bits_per_element(128)
     g_claims = {} if G is None else {
         "on Gemma q4_0 and int4_g16 are never worse": _claim({"q4_0", "int4_g16"} <= set(G["never"]), G["never"]),
         "pooled, int4 lost over 15% of Gemma's prompts and was clearly worse (p < 0.001)":
@@ -1474,7 +1480,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     """
     from . import budget as B
     from . import decide
-    from .formats import engine_nearest, engine_options, get_format
+    from .formats import engine_nearest, engine_options, engines_offering, get_format
     from .results import (
         LONG_SWEEPS,
         PPL_TOLERANCE,
@@ -1527,7 +1533,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "plans": plans, "plans_md": _plans_md(plans, by), "mbu": MBU, "mfu": MFU, "ppl_bar": PPL_TOLERANCE,
         "noise_lo": min(noise), "noise_hi": max(noise), "eight_md": names_md(eight), "ppl2": ppl2, "risk": risk,
         "nvfp4_bits": get_format("nvfp4").bits_per_element(128),
-        "nvfp4_engines": names_md([e for e, flag in engine_options("nvfp4").items() if flag]).replace("`", ""),
+        "nvfp4_engines": engines_md(engines_offering(["nvfp4"])["nvfp4"]),
         "plans_flat": plans_flat, "big_reserve_gib": big, "plans_big": plans_big, "tp2_reserve_gib": B.TP_RESERVE_GIB[2],
         "reserve_gib": B.DEFAULT_RESERVE_GIB,
         "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
@@ -1561,8 +1567,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "flat_call": plans_flat.get(call) if call else None,
         # the runner-up on the same GPUs: INT8 per token (vLLM's int8_per_token_head)
         "int8_gap": 1 - plans["int8"]["tokens_per_s"] / plans[call]["tokens_per_s"] if call and plans.get("int8") else None,
-        "int8_engines_md": ", ".join(by["int8"]["engines"]) if "int8" in by else "—",
-        "f8_engines_md": names_md(list(f8["engines"])).replace("`", ""),
+        "int8_engines_md": engines_md(by["int8"]["engines"]),
+        "f8_engines_md": engines_md(f8["engines"]),
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
         # ... an average over lengths: the call's own cell at the context served, on the model measured there
         "eval_per_length": len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS,
@@ -1578,7 +1584,6 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
         # llama.cpp's default q4_0 rotates first: kvlab's q4_0+rotate on each model's passages (scripts/rotation_ppl.py)
         "rots": (rots := {m: r for m, path in ROTATION_PPLS.items() if (r := rotation_ppl(path))}),
-        "rot": rots.get("smollm2-135m", {}),
         "rot_md": "; ".join(
             f"on {short_model_name(CH4_NAMES[m])}'s {r['q4_0']['windows']} passages kvlab's `q4_0+rotate` costs "
             f"{r['q4_0+rotate']['increase']:+.1%} perplexity against `q4_0`'s {r['q4_0']['increase']:+.1%} (lower on "
@@ -1629,16 +1634,16 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim({"vLLM", "SGLang", "TensorRT-LLM"} <= set(f8["engines"]), f8["engines"]),
         "INT4 holds about 1.8x FP8's sequences": _claim(1.6 < values["int4_over_fp8"] < 2.0, values["int4_over_fp8"]),
         "INT4 with one scale per tensor is not on the shortlist": _claim("int4_tensor" not in picks),
-        "the rotation lowered q4_0's cost on SmolLM2 (paired, on passages) but not distinguishably on Gemma, still over the bar there":
-            _claim(set(values["rots"]) == {"smollm2-135m", "gemma3-270m"}
-                   and values["rots"]["smollm2-135m"]["q4_0+rotate vs q4_0"]["verdict"] == "better"
-                   and values["rots"]["gemma3-270m"]["q4_0+rotate vs q4_0"]["verdict"] == "not distinguishable"
-                   and values["rots"]["gemma3-270m"]["q4_0+rotate"]["increase"] > PPL_TOLERANCE,
-                   {m: (r["q4_0+rotate"]["increase"], r["q4_0+rotate vs q4_0"]["verdict"]) for m, r in values["rots"].items()}),
-        "with the rotation llama.cpp adds, q4_0 falls under the perplexity bar on SmolLM2, lower on every passage":
-            _claim(bool(values["rot"]) and values["rot"]["q4_0+rotate"]["increase"] < PPL_TOLERANCE
-                   < values["rot"]["q4_0"]["increase"] and values["rot"]["q4_0+rotate vs q4_0"]["verdict"] == "better",
-                   values["rot"]),
+        "with the rotation llama.cpp adds, q4_0 falls under the perplexity bar on SmolLM2, lower on every passage (paired), "
+        "but not distinguishably on Gemma, still over the bar there":
+            _claim(set(rots) == {"smollm2-135m", "gemma3-270m"}
+                   and rots["smollm2-135m"]["q4_0+rotate"]["increase"] < PPL_TOLERANCE < rots["smollm2-135m"]["q4_0"]["increase"]
+                   and rots["smollm2-135m"]["q4_0+rotate vs q4_0"]["verdict"] == "better"
+                   and rots["smollm2-135m"]["q4_0+rotate vs q4_0"]["better_windows"] == rots["smollm2-135m"]["q4_0"]["windows"]
+                   and rots["gemma3-270m"]["q4_0+rotate vs q4_0"]["verdict"] == "not distinguishable"
+                   and rots["gemma3-270m"]["q4_0+rotate"]["increase"] > PPL_TOLERANCE,
+                   {m: (r["q4_0"]["increase"], r["q4_0+rotate"]["increase"], r["q4_0+rotate vs q4_0"]["verdict"])
+                    for m, r in rots.items()}),
         "the nearest kvlab format to vLLM's INT4 cache held on SmolLM2, was worse on Gemma and missed the bar on both":
             _claim(values["vllm_int4_near"] == "int4_token+rotate" and values["s_vllm_int4"] == "held"
                    and values["g_vllm_int4"].startswith("worse") and min(values["ppl_vllm_int4"]) > PPL_TOLERANCE,

@@ -195,6 +195,10 @@ _VLLM_FP8 = (
     "checkpoint ships scales (its run-time estimate, --calculate-kv-scales, was removed in 2026: vllm PR #49389; "
     "chapter 2 measures what a scale of 1.0 costs)"
 )
+# llama.cpp's block caches as kvlab stores them, and what llama.cpp itself adds by default
+_LLAMACPP_ROTATION = ("Since PR #21038 (April 2026) llama.cpp also Hadamard-rotates Q, K and V whenever the cache is "
+                      "quantized, unless LLAMA_ATTN_ROT_DISABLE is set; this preset does not rotate ({0}+rotate is "
+                      "nearer to llama.cpp's default)")
 for _fmt in (
     _same("fp32", _q("float32"), source="full precision"),
     _same("fp16", _q("float16"), source="IEEE half precision; the usual unquantized cache", aliases=("float16", "half")),
@@ -213,15 +217,12 @@ for _fmt in (
     _same("int4_tensor", _q("int4"), source="symmetric INT4, one scale per tensor"),
     _same("q8_0", _q("int8", "group", 32),
           source="llama.cpp GGML_TYPE_Q8_0: blocks of 32 int8 values with one fp16 scale, 34 bytes per block "
-                 "(ggml-common.h block_q8_0); selected with --cache-type-k/-v q8_0. Since PR #21038 (April 2026) llama.cpp also "
-                 "Hadamard-rotates Q, K and V whenever the cache is quantized, unless LLAMA_ATTN_ROT_DISABLE is set; this "
-                 "preset does not rotate (q8_0+rotate is nearer to llama.cpp's default)"),
+                 "(ggml-common.h block_q8_0); selected with --cache-type-k/-v q8_0. " + _LLAMACPP_ROTATION.format("q8_0")),
     _same("q4_0", _q("int4", "group", 32, full_range=True),
           source="llama.cpp GGML_TYPE_Q4_0: blocks of 32 4-bit values (q - 8) with one fp16 scale, 18 bytes per "
                  "block (ggml-common.h block_q4_0); selected with --cache-type-k/-v q4_0. kvlab keeps the same 18 bytes a "
-                 "block, but codes and scales in separate buffers (kvlab.layout), not interleaved as ggml does. Since PR #21038 "
-                 "(April 2026) llama.cpp also Hadamard-rotates Q, K and V whenever the cache is quantized, unless "
-                 "LLAMA_ATTN_ROT_DISABLE is set; this preset does not rotate (q4_0+rotate is nearer to llama.cpp's default)"),
+                 "block, but codes and scales in separate buffers (kvlab.layout), not interleaved as ggml does. "
+                 + _LLAMACPP_ROTATION.format("q4_0")),
     _same("hf-int4", _q("int4", "group", 64, symmetric=False), residual=128,
           source="transformers QuantizedCache (quanto backend): nbits=4, q_group_size=64, residual_length=128 "
                  "(transformers docs, 'KV cache strategies'); kvlab keeps the newest 128 tokens in full precision at "

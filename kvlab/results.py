@@ -179,14 +179,14 @@ def paired_nll(nll: list[float], ref_nll: list[float], tokens: list[int]) -> dic
             "worse_windows": worse, "better_windows": better, "p": mcnemar(worse, better), "verdict": verdict(worse, better)}
 
 
-ROTATION_PPL = RESULTS_DIR / "rotation_ppl.json"
-ROTATION_PPLS = {"smollm2-135m": ROTATION_PPL, "gemma3-270m": RESULTS_DIR / "rotation_ppl_gemma3.json"}  # per model
+ROTATION_PPLS = {"smollm2-135m": RESULTS_DIR / "rotation_ppl.json", "gemma3-270m": RESULTS_DIR / "rotation_ppl_gemma3.json"}
 
 
-def rotation_ppl(path: str | Path | None = None) -> dict:
-    """``scripts/rotation_ppl.py``'s result: each format against the first (full precision) on the same passages,
-    and each ``X+rotate`` against its ``X`` (``"X+rotate vs X"``), by :func:`paired_nll`. Empty when not shipped."""
-    path = Path(path) if path else ROTATION_PPL
+def rotation_ppl(path: str | Path) -> dict:
+    """``scripts/rotation_ppl.py``'s result (one per model: :data:`ROTATION_PPLS`): each format against the first
+    (full precision) on the same passages, and each ``X+rotate`` against its ``X`` (``"X+rotate vs X"``), by
+    :func:`paired_nll`. Empty when not shipped."""
+    path = Path(path)
     if not path.is_file():
         return {}
     doc = json.loads(path.read_text())
@@ -195,7 +195,7 @@ def rotation_ppl(path: str | Path | None = None) -> dict:
     for f in doc["formats"]:
         if f.endswith("+rotate") and f.removesuffix("+rotate") in nll:
             out[f"{f} vs {f.removesuffix('+rotate')}"] = paired_nll(nll[f], nll[f.removesuffix("+rotate")], tokens)
-    return out | {"_doc": {k: doc[k] for k in ("model", "date", "machine", "seconds")}}
+    return out
 
 
 class LongSweep:

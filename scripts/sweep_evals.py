@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import torch
 import transformers
 
 from kvlab import evals
-from kvlab.env import cpu_model
+from kvlab.env import machine as env_machine
 from kvlab.facts import LADDER_PPL_WINDOWS
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
 from kvlab.models import DEFAULT_MODEL, load_model
@@ -49,7 +47,7 @@ def all_formats() -> list[KVFormat]:
 
 
 def machine() -> str:
-    return f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads"
+    return env_machine(torch.get_num_threads())
 
 
 def main(argv=None):

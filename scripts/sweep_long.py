@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import time
 from pathlib import Path
@@ -147,7 +146,7 @@ def main(argv=None):
     import transformers
 
     from kvlab import evals, tasks
-    from kvlab.env import cpu_model
+    from kvlab.env import machine as env_machine
     from kvlab.models import load_model
 
     lengths = args.lengths or ([256, 1024] if args.quick else LENGTHS)
@@ -185,7 +184,7 @@ def main(argv=None):
             prompt_maker(stage, hay)(tok, n, 0.5, random.Random(0))
         except ValueError as e:
             p.error(f"--lengths: the {stage} stage cannot use {n} tokens: {e}")
-    machine = (f"{platform.machine()} {cpu_model()}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads")
+    machine = env_machine(torch.get_num_threads())
     with args.out.open("a") as f:
         def write(rec):
             f.write(json.dumps(rec, allow_nan=False) + "\n")

@@ -80,6 +80,10 @@ def test_the_glossary_states_the_workbooks_constants():
 
     assert f"0 losses in 250 prompts it is about {exact_upper(0, 250):.1%}" in text
     assert f"{get_format('nvfp4').bits_per_element(128):.1f} bits an element; Blackwell" in text
+    from kvlab.formats import engines_offering
+
+    assert set(engines_offering(["nvfp4"])["nvfp4"]) == {"TensorRT-LLM", "vLLM", "SGLang"}  # the NVFP4 entry names them
+    assert "and TensorRT-LLM, vLLM\nand SGLang offer it as a KV cache" in text
 
 
 def test_build_refuses_bad_paths(tmp_path):
