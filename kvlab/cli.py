@@ -44,30 +44,32 @@ MAX_REQUESTS = 100_000  # serve-sim replays this many at most: 1-2 minutes on a 
 MAX_NUMBER_CHARS = 40  # a number flag longer than this is refused before it is parsed
 
 
-def _number_text(text, what: str, name: str = "") -> str:
+def _number_text(text, what: str) -> str:
     """``text`` stripped, refused when int() or float() would read it in a surprising way: digits from another
-    script ("４" is 4 to Python) or thousands of characters (a 5,000-digit integer; "9" * 400 as a float is inf)."""
+    script ("４" is 4 to Python) or thousands of characters (a 5,000-digit integer; "9" * 400 as a float is inf).
+    The messages leave out the flag's name: argparse puts "argument --flag:" in front of them."""
     s = text.strip()
-    flag = f"{name} " if name else ""
     if not s.isascii():
-        raise argparse.ArgumentTypeError(f"{flag}must be {what} written in ASCII digits, got {_shown(repr(text))}")
+        raise argparse.ArgumentTypeError(f"must be {what} written in ASCII digits, got {_shown(repr(text))}")
     if len(s) > MAX_NUMBER_CHARS:
-        raise argparse.ArgumentTypeError(f"{flag}must be {what} of at most {MAX_NUMBER_CHARS} characters, got "
-                                         f"{len(s):,} characters ({_shown(repr(s), 20)})")
+        raise argparse.ArgumentTypeError(f"must be {what} of at most {MAX_NUMBER_CHARS} characters, got "
+                                         f"{len(s):,}, starting {s[:20]!r}")
     return s
 
 
-def _int(name, minimum, maximum=None):
+def _int(minimum, maximum=None):
+    """An argparse type: an integer in [minimum, maximum] (the messages leave the flag to argparse)."""
+
     def parse(text):
-        s = _number_text(text, "an integer", name)
+        s = _number_text(text, "an integer")
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {_shown(repr(text))}") from None
+            raise argparse.ArgumentTypeError(f"must be an integer, got {_shown(repr(text))}") from None
         if v < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
         if maximum is not None and v > maximum:
-            raise argparse.ArgumentTypeError(f"{name} must be <= {maximum}, got {v}")
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {v}")
         return v
 
     return parse
@@ -196,32 +198,30 @@ def cmd_formats(args) -> int:
     return 0
 
 
-def _int_list(name):
-    def parse(text):
-        try:
-            vals = [int(_number_text(x, "an integer", name)) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {_shown(repr(text))}") from None
-        if not vals or min(vals) < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be positive integers, got {_shown(repr(text))}")
-        if max(vals) > MAX_LENGTH:
-            raise argparse.ArgumentTypeError(f"{name} must be at most {MAX_LENGTH:,} tokens, got {max(vals):,}")
-        if len(set(vals)) < len(vals):
-            raise argparse.ArgumentTypeError(f"{name} lists a value twice: {_shown(repr(text))}")
-        return vals
-
-    return parse
+def _length_list(text):
+    """An argparse type: distinct context lengths, comma-separated."""
+    try:
+        vals = [int(_number_text(x, "an integer")) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {_shown(repr(text))}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive integers, got {_shown(repr(text))}")
+    if max(vals) > MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_LENGTH:,} tokens, got {max(vals):,}")
+    if len(set(vals)) < len(vals):
+        raise argparse.ArgumentTypeError(f"lists a value twice: {_shown(repr(text))}")
+    return vals
 
 
 def _depth_list(text):
     try:
-        vals = [float(_number_text(x, "a number", "--depths")) for x in text.split(",")]
+        vals = [float(_number_text(x, "a number")) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--depths must be comma-separated numbers, got {_shown(repr(text))}") from None
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers, got {_shown(repr(text))}") from None
     if not vals or any(not 0 <= v <= 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"--depths must lie in [0, 1], got {_shown(repr(text))}")
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {_shown(repr(text))}")
     if len(set(vals)) < len(vals):
-        raise argparse.ArgumentTypeError(f"--depths lists a value twice: {_shown(repr(text))}")
+        raise argparse.ArgumentTypeError(f"lists a value twice: {_shown(repr(text))}")
     return [v + 0.0 for v in vals]  # -0 is 0
 
 
@@ -638,13 +638,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "max_context (the longest context --batch sequences can hold in memory: a memory "
                                    "limit, which can exceed the model's own window).")
     b.add_argument("--model", required=True, type=_model_name, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
-    b.add_argument("--batch", required=True, type=_int("--batch", 1, 10**7))
-    b.add_argument("--context", required=True, type=_int("--context", 1, 10**9), help="tokens per sequence")
+    b.add_argument("--batch", required=True, type=_int(1, 10**7))
+    b.add_argument("--context", required=True, type=_int(1, 10**9), help="tokens per sequence")
     b.add_argument("--kv-dtype", default="bf16", type=_kv_format, help="KV format (see `kvlab formats`)")
     b.add_argument("--gpu", help="GPU preset ({})".format(", ".join(B.gpus())))
     b.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
-    b.add_argument("--tp", default=1, type=_int("--tp", 1, 1024), help="tensor-parallel ranks")
-    b.add_argument("--block-size", default=1, type=_int("--block-size", 1, 2**20), help="paged-cache block size in tokens")
+    b.add_argument("--tp", default=1, type=_int(1, 1024), help="tensor-parallel ranks")
+    b.add_argument("--block-size", default=1, type=_int(1, 2**20), help="paged-cache block size in tokens")
     b.add_argument("--memory-utilization", default=0.9, type=_fraction, help="fraction of GPU memory usable")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_budget)
@@ -653,18 +653,18 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--kv-format", type=_kv_format, help="KV format (see `kvlab formats`); required without --endpoint")
     n.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
                                                  "a model folder or a hub name")
-    n.add_argument("--lengths", type=_int_list("--lengths"), default=[512, 1024, 2048], help="e.g. 512,1024")
+    n.add_argument("--lengths", type=_length_list, default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=None,
                    help="e.g. 0,0.5,1 (default); for --task chain the spread of its links, default 1")
-    n.add_argument("--trials", type=_int("--trials", 1, 10_000), default=5, help="prompts per cell")
+    n.add_argument("--trials", type=_int(1, 10_000), default=5, help="prompts per cell")
     n.add_argument("--task", choices=["passkey", "chain"], default="passkey")
-    n.add_argument("--hops", type=_int("--hops", 1, 50), default=2, help="links to follow (chain task)")
-    n.add_argument("--seed", type=_int("--seed", 0, 2**32 - 1), default=0)
+    n.add_argument("--hops", type=_int(1, 50), default=2, help="links to follow (chain task)")
+    n.add_argument("--seed", type=_int(0, 2**32 - 1), default=0)
     n.add_argument("--haystack", choices=["filler", "prose"], default="filler",
                    help="repeated filler sentences, or English text (CPython's docstrings; passkey task)")
     n.add_argument("--haystack-file", help="cut the haystack from this UTF-8 text file instead (e.g. text like "
                                            "your own traffic; passkey task)")
-    n.add_argument("--chunk", type=_int("--chunk", 1, MAX_LENGTH), default=None,
+    n.add_argument("--chunk", type=_int(1, MAX_LENGTH), default=None,
                    help="prefill this many tokens per forward, as engines do (e.g. 1024 for 32k prompts)")
     n.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: the prompt attends in full precision and only the stored cache is quantized "
@@ -678,14 +678,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--compare", help="a second server, e.g. the same model with --kv-cache-dtype fp8")
     e.add_argument("--tokenizer", help="a local tokenizer of the served model (default: --model's)")
     e.add_argument("--endpoint-model", help="the served model's id (default: the server's only model)")
-    e.add_argument("--concurrency", type=_int("--concurrency", 1, 256), default=4, help="requests in flight per run")
+    e.add_argument("--concurrency", type=_int(1, 256), default=4, help="requests in flight per run")
     e.add_argument("--timeout", type=_seconds(False), default=120.0, help="seconds to wait for one answer")
-    e.add_argument("--retries", type=_int("--retries", 0, 20), default=3, help="retries on 429, 5xx and timeouts")
+    e.add_argument("--retries", type=_int(0, 20), default=3, help="retries on 429, 5xx and timeouts")
     e.add_argument("--backoff", type=_seconds(True), default=0.5, help="seconds before the first retry (doubles)")
-    e.add_argument("--max-tokens", type=_int("--max-tokens", 1, 4096), default=12, help="tokens generated per prompt")
-    e.add_argument("--top-logprobs", type=_int("--top-logprobs", 0, 20), default=5,
+    e.add_argument("--max-tokens", type=_int(1, 4096), default=12, help="tokens generated per prompt")
+    e.add_argument("--top-logprobs", type=_int(0, 20), default=5,
                    help="top-k logprobs asked per step for teacher agreement (0: none)")
-    e.add_argument("--ppl-windows", type=_int("--ppl-windows", 0, 1000), default=0,
+    e.add_argument("--ppl-windows", type=_int(0, 1000), default=0,
                    help="also the perplexity rung over this many 512-token windows (needs echo logprobs)")
     n.set_defaults(func=cmd_niah)
 
@@ -694,12 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
     v.add_argument("--name", help="the model id it answers to (default: the model's path)")
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=_int("--port", 0, 65535), default=8000)
+    v.add_argument("--port", type=_int(0, 65535), default=8000)
     v.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: a fresh prompt attends in full precision and only the stored cache is quantized "
                         "(as transformers' QuantizedCache does); cached: it reads the quantized cache (as vLLM V1 "
                         "and llama.cpp do)")
-    v.add_argument("--max-model-len", type=_int("--max-model-len", 1, 2**31), default=None,
+    v.add_argument("--max-model-len", type=_int(1, 2**31), default=None,
                    help="longest prompt + answer it accepts, in tokens (vLLM's flag; default and upper bound: the "
                         "model's max_position_embeddings)")
     v.set_defaults(func=cmd_serve)
@@ -712,14 +712,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", default="H100-80GB")
     s.add_argument("--kv-dtype", default="bf16", type=_kv_format)
     s.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
-    s.add_argument("--block-size", type=_int("--block-size", 1, 2**20), default=None,
+    s.add_argument("--block-size", type=_int(1, 2**20), default=None,
                    help="tokens per block (default 16; 512 for traces)")
-    s.add_argument("--requests", type=_int("--requests", 1, MAX_REQUESTS), default=None,
+    s.add_argument("--requests", type=_int(1, MAX_REQUESTS), default=None,
                    help=f"how many requests to replay (at most {MAX_REQUESTS:,})")
     s.add_argument("--memory-utilization", default=0.9, type=_fraction)
     s.add_argument("--gpu-hour-usd", default=None, type=_price,
                    help="price of one GPU-hour in dollars (default: the GPU's listed price, see data/presets/gpus.json)")
-    s.add_argument("--seed", type=_int("--seed", 0, 2**32 - 1), default=0)
+    s.add_argument("--seed", type=_int(0, 2**32 - 1), default=0)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_serve_sim)
 

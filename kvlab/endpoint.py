@@ -195,7 +195,7 @@ class Endpoint:
                                     "give the server's own address")
             doc = _json_or_none(content)
             if doc is None:
-                raise EndpointError(f"{url} answered with something that is not JSON: {content[:200]!r}")
+                raise EndpointError(f"{url} answered with {_json_problem(content)}: {content[:200]!r}")
             if not isinstance(doc, dict):
                 raise EndpointError(f"{url} answered with JSON that is not an object: {str(doc)[:200]}")
             return doc
@@ -371,6 +371,17 @@ def _printable(text: str) -> str:
     """``text`` safe to print on a terminal and to encode: control characters (escape sequences that could
     clear the screen or fake a line) and lone surrogates are written as Python escapes."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _json_problem(content: bytes) -> str:
+    """What was wrong with a body :func:`_json_or_none` could not read, in words."""
+    try:
+        json.loads(content)
+    except RecursionError:
+        return "JSON nested too deeply to read"
+    except ValueError:
+        pass
+    return "something that is not JSON"
 
 
 def _server_message(content: bytes) -> str:

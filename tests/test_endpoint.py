@@ -540,7 +540,8 @@ def test_ctrl_c_on_the_cli_exits_130_with_one_line(stub, tmp_path):
     ({"choices": [{"text": "1"}], "usage": [1, 2]}, None),  # an unreadable usage: not compared, not a crash
     ({"choices": [{"text": "1", "logprobs": {"tokens": ["1"], "token_logprobs": 5, "top_logprobs": [{"1": -0.1}]}}]},
      "token_logprobs must be a list"),
-    (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply to read"),
+    (b"{not json", "something that is not JSON"),
     (b'{"choices": [{"text": "1"}], "usage": {"prompt_tokens": NaN}}', None),
 ])
 def test_malformed_answers_are_errors_not_crashes(stub, body, why):
