@@ -201,6 +201,11 @@ def rotation_ppl(path: str | Path) -> dict:
 class LongSweep:
     """The long-context sweep (``scripts/sweep_long.py``): one record per prompt, every format's outcome.
 
+    Formats measured later on the same prompts (``sweep_long.py --add-formats``) come as a ``{"kind": "formats"}``
+    line and records marked ``"added"``; loading merges each into its prompt's record, lists the added formats in
+    the header's ``formats`` and their provenance in ``header["added"]``. An added format that has reached only
+    some prompts of a length (or some perplexity windows) is refused there until it has them all.
+
     >>> sweep = LongSweep.load()                       # data/results/long_sweep.jsonl
     >>> sweep.paired("filler", "int4_token", 8192).verdict
     """
@@ -221,13 +226,46 @@ class LongSweep:
             raise ValueError(f"{path} is not a JSON Lines sweep: {e}") from None
         if not lines or not isinstance(lines[0], dict) or lines[0].get("kind") != "header":
             raise ValueError(f"{path}: the first line must be the sweep's header")
-        header = lines[0]
+        header = dict(lines[0])
         fmts = header.get("formats")
         if not isinstance(fmts, dict) or not fmts:
             raise ValueError(f"{path}: the header names no formats")
+        header["formats"], header["added"] = dict(fmts), []
+        records, where = [], {}  # where: a prompt's key -> its index in records
         for i, r in enumerate(lines[1:], start=2):
-            cls._check(r, fmts, f"{path}:{i}")
-        return cls(header, lines[1:])
+            at = f"{path}:{i}"
+            if isinstance(r, dict) and r.get("kind") == "formats":  # formats added later (sweep_long --add-formats)
+                header["added"].append(cls._added(r, header["formats"], at))
+                continue
+            cls._check(r, header["formats"], at)
+            key = (r["stage"], r["length"], r["depth"], r["index"])
+            if not r.get("added"):
+                where[key] = len(records)
+                records.append(r)
+                continue
+            if key not in where:
+                raise ValueError(f"{at}: an added record for a prompt the sweep never measured ({key})")
+            base = records[where[key]]
+            field = "nll" if r["stage"] == PPL_STAGE else "correct"
+            if set(r[field]) & set(base[field]):
+                raise ValueError(f"{at}: formats {sorted(set(r[field]) & set(base[field]))} measured twice on {key}")
+            if r.get("key") != base.get("key"):
+                raise ValueError(f"{at}: the added record's pass key {r.get('key')!r} is not the prompt's "
+                                 f"{base.get('key')!r}: a different prompt")
+            records[where[key]] = base | {field: base[field] | r[field]}
+        return cls(header, records)
+
+    @staticmethod
+    def _added(r: dict, fmts: dict, where: str) -> dict:
+        """A ``{"kind": "formats"}`` line: formats measured after the sweep on the prompts it holds. Their
+        entries join ``fmts``; the line's provenance (date, machine, versions) is returned."""
+        new = r.get("formats")
+        if not isinstance(new, dict) or not new:
+            raise ValueError(f"{where}: a formats line must name formats")
+        if clash := sorted(n for n in new if n in fmts):
+            raise ValueError(f"{where}: formats {clash} are already in the sweep")
+        fmts.update(new)
+        return {k: v for k, v in r.items() if k != "kind"} | {"formats": list(new)}
 
     @staticmethod
     def _check(r, fmts: dict, where: str) -> None:
@@ -265,9 +303,23 @@ class LongSweep:
     def formats(self) -> list[str]:
         return list(self.header["formats"])
 
+    @staticmethod
+    def _whole(fmt: str, outcomes: list[dict], where: str) -> None:
+        """Refuse a format added to the sweep (``--add-formats``) that has reached only some of the prompts
+        at ``where`` so far: its rate or test would rest on whichever prompts came first."""
+        have = sum(fmt in c for c in outcomes)
+        if 0 < have < len(outcomes):
+            raise KeyError(f"{fmt!r} has {have} of the {len(outcomes)} prompts at {where} so far (still being swept)")
+
+    def _ppl_rows(self, *fmts: str) -> list[dict]:
+        rows = [r for r in self.records if r["stage"] == PPL_STAGE]
+        for f in fmts:
+            self._whole(f, [r["nll"] for r in rows], "the perplexity windows")
+        return [r for r in rows if all(f in r["nll"] for f in fmts)]
+
     def perplexity(self, fmt: str) -> float:
         """Held-out perplexity of ``fmt`` over the windows it was measured on (every token reading its cache)."""
-        rows = [r for r in self.records if r["stage"] == PPL_STAGE and fmt in r["nll"]]
+        rows = self._ppl_rows(fmt)
         if not rows:
             raise KeyError(f"no perplexity windows for {fmt!r}")
         return math.exp(sum(r["nll"][fmt] for r in rows) / sum(r["tokens"] for r in rows))
@@ -276,8 +328,7 @@ class LongSweep:
         """``fmt`` against ``reference`` window by window: the perplexity increase, and the same paired
         rule as the passkey (a two-sided sign test on the windows where ``fmt`` did worse vs better).
         ``windows`` keeps only the first that many held-out windows (to compare with a run that read fewer)."""
-        rows = [r for r in self.records if r["stage"] == PPL_STAGE and fmt in r["nll"] and reference in r["nll"]
-                and (windows is None or r["index"] < windows)]
+        rows = [r for r in self._ppl_rows(fmt, reference) if windows is None or r["index"] < windows]
         if not rows:
             raise KeyError(f"no perplexity windows where {fmt!r} and {reference!r} both ran")
         return {"kv_format": fmt} | paired_nll([r["nll"][fmt] for r in rows], [r["nll"][reference] for r in rows],
@@ -292,8 +343,7 @@ class LongSweep:
 
         if not 0 < level < 1:
             raise ValueError(f"level must be in (0, 1), got {level!r}")
-        rows = [(r["nll"][fmt] - r["nll"][reference], r["tokens"]) for r in self.records
-                if r["stage"] == PPL_STAGE and fmt in r["nll"] and reference in r["nll"]]
+        rows = [(r["nll"][fmt] - r["nll"][reference], r["tokens"]) for r in self._ppl_rows(fmt, reference)]
         if not rows:
             raise KeyError(f"no perplexity windows where {fmt!r} and {reference!r} both ran")
         rng = random.Random(0)
@@ -323,8 +373,12 @@ class LongSweep:
                 if r["stage"] == stage and r["length"] == length}
 
     def counts(self, stage: str, fmt: str, length: int) -> tuple[int, int]:
-        """``(correct, prompts)`` of ``fmt`` at ``length`` in ``stage``."""
-        outs = [c[fmt] for c in self.outcomes(stage, length).values() if fmt in c]
+        """``(correct, prompts)`` of ``fmt`` at ``length`` in ``stage``; ``(0, 0)`` where it did not run, or is an
+        added format that has not reached every prompt there yet."""
+        mine = self.outcomes(stage, length)
+        outs = [c[fmt] for c in mine.values() if fmt in c]
+        if len(outs) < len(mine):
+            return 0, 0
         return sum(outs), len(outs)
 
     def paired(self, stage: str, fmt: str, length: int, reference: str = "fp32",
@@ -343,6 +397,7 @@ class LongSweep:
         keys = [k for k in mine if fmt in mine[k] and k in ref and reference in ref[k]]
         if not keys:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran at {length} tokens in {stage!r}")
+        self._whole(fmt, [c for c in mine.values()], f"{length} tokens in {stage!r}")
         a = [mine[k][fmt] for k in keys]
         b = [ref[k][reference] for k in keys]
         return Paired(fmt, reference, len(keys), sum(a), sum(b),

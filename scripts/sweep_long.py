@@ -22,10 +22,13 @@ Stages, in the order they run (the first answers the headline question soonest):
    about one customer's order answered with a city name (:func:`kvlab.tasks.order_lookup`).
 
 Each record holds ``correct[format]`` (exact match of the 5-digit key), so any two formats can be
-compared prompt by prompt (exact McNemar: :func:`kvlab.results.mcnemar`).
+compared prompt by prompt (exact McNemar: :func:`kvlab.results.mcnemar`). ``--add-formats`` measures more
+formats later on the same prompts and appends them (:class:`kvlab.results.LongSweep` merges them in).
 
     python scripts/sweep_long.py                 # the shipped sweep (many hours on 2 CPU cores; resumable)
     python scripts/sweep_long.py --quick --out /tmp/q.jsonl   # a smoke test of a few minutes
+    python scripts/sweep_long.py --model smollm2-135m --out data/results/long_sweep_smollm2.jsonl \
+        --add-formats fp8_e5m2 --stages perplexity filler      # one more format, the same prompts
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ MULTIKEY_LENGTHS = ORDER_LENGTHS = [4096, 8192]
 # per-layer-type mixes on a hybrid model: INT4 only where the layer attends globally, or only on the windows
 # (kvlab.formats resolves these names: int4_token on one layer type, full precision on the others)
 MIXED = ["int4_token@global", "int4_token@sliding"]
+SEEDS = {"filler": 0, "cached": 0, "prose": 1, "multikey": 2, "orders": 3}  # cached shares the filler prompts
+MODES = {"filler": "full", "prose": "full", "cached": "cached", "multikey": "full", "orders": "full"}
+HAYSTACK = {"filler": "filler", "cached": "filler", "multikey": "filler", "prose": "prose", "orders": "prose"}
 
 
 def plan_of(args, lengths: list[int]) -> list[tuple[str, int]]:
@@ -91,6 +97,9 @@ def _resume_lines(path: Path, p) -> list[dict]:
                     f.truncate(path.read_bytes().rfind(b"\n") + 1)
                 break
             p.error(f"{path}:{i} is not a sweep record ({e.msg}); move the file away or fix it")
+        if isinstance(rec, dict) and i > 1 and rec.get("kind") == "formats" and isinstance(rec.get("formats"), dict):
+            lines.append(rec)  # formats added later (--add-formats)
+            continue
         if not isinstance(rec, dict) or (i == 1) != (rec.get("kind") == "header") or (
                 i > 1 and not all(k in rec for k in ("stage", "length", "depth", "index"))):
             p.error(f"{path}:{i} is not a sweep {'header' if i == 1 else 'record'}; move the file away or fix it")
@@ -98,6 +107,100 @@ def _resume_lines(path: Path, p) -> list[dict]:
     if not lines:
         p.error(f"{path} holds no sweep header; move the file away")
     return lines
+
+
+def _answer(model, ex, fmts, stage: str, chunk: int) -> dict:
+    """One prompt's answer in every format of ``fmts``: ``{"key": ..., "correct": {format: exact match}}``."""
+    import torch
+
+    from kvlab import evals
+
+    want = torch.tensor([ex.answer_ids])
+    gens = evals.answers(model, torch.tensor([ex.input_ids]), fmts, want.shape[1], MODES[stage], want, chunk)
+    return {"key": ex.answer, "correct": {name: g[0].tolist() == ex.answer_ids for name, g in gens.items()}}
+
+
+def _format_entry(f, head_dim: int) -> dict:
+    return {"source": f.source, "bits_per_element": f.bits_per_element(head_dim), "layer_formats": f.layer_names}
+
+
+def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> None:
+    """``--add-formats``: measure ``names`` on the prompts the sweep file already holds, rebuilt from their seeds
+    (each prompt's pass key is checked against the one stored, so a changed tokenizer, corpus or prompt code
+    stops the run instead of pairing different prompts). Appends one ``{"kind": "formats"}`` line, then one
+    record marked ``"added"`` per prompt, as it goes; run again to resume. The stages in ``--stages`` (and the
+    lengths in ``--lengths``, if given) are measured, held-out perplexity first, then by length."""
+    import torch
+    import transformers
+
+    from kvlab import evals, tasks
+    from kvlab.env import machine as env_machine
+    from kvlab.formats import get_format
+
+    lines = _resume_lines(args.out, p)
+    old = lines[0]
+    for k in ("model", "depths", "per_depth", "haystacks", "chunk"):
+        if old.get(k) != header[k]:
+            p.error(f"--add-formats: {args.out} was swept with {k} {old.get(k)!r}, this command gives {header[k]!r}; "
+                    "pass the sweep's own --model, --per-depth, --chunk, --haystack-file (and --quick)")
+    if clash := [n for n in names if n in old["formats"]]:
+        p.error(f"--add-formats: {clash} are in the sweep already")
+    declared = dict(old["formats"])
+    for r in lines[1:]:
+        if r.get("kind") == "formats":
+            declared |= r["formats"]
+    fmts = [get_format(n) for n in names]
+    new = {f.name: _format_entry(f, model.config.head_dim) for f in fmts if f.name not in declared}
+    base, have = {}, {}
+    for r in lines[1:]:
+        if "stage" in r:
+            key = (r["stage"], r["length"], r["depth"], r["index"])
+            base.setdefault(key, r)
+            have.setdefault(key, set()).update(r["nll" if r["stage"] == "perplexity" else "correct"])
+    order = ["perplexity", "filler", "prose", "multikey", "orders", "cached"]
+    todo = sorted((k for k in base if k[0] in args.stages and set(names) - have[k]
+                   and (k[0] == "perplexity" or not args.lengths or k[1] in args.lengths)),
+                  key=lambda k: (order.index(k[0]), k[1], k[2], k[3]))
+    print(f"adding {names}: {len(todo)} prompts to measure", flush=True)
+    wins = None
+    with args.out.open("a") as f:
+        def write(rec):
+            f.write(json.dumps(rec, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+        if new:
+            write({"kind": "formats", "formats": new, "machine": env_machine(torch.get_num_threads()),
+                   "torch": torch.__version__, "transformers": transformers.__version__,
+                   "date": time.strftime("%Y-%m-%d")})
+        exs = {}
+        for key in todo:
+            stage, n, d, i = key
+            missing = [x for x in fmts if x.name not in have[key]]
+            t0 = time.time()
+            if stage == "perplexity":
+                if wins is None:
+                    count = 1 + max(k[3] for k in base if k[0] == "perplexity")
+                    wins = evals.perplexity_windows(tok, window=128 if args.quick else 512, max_windows=count)
+                x = wins[i]
+                if x.shape[1] != n:
+                    p.error(f"--add-formats: held-out window #{i} has {x.shape[1]} tokens now, {n} in the sweep: "
+                            "the held-out text or tokenizer changed")
+                rec = {"haystack": "heldout", "prefill": "cached", "tokens": n - 1,
+                       "nll": {x_.name: round(evals.window_nll(model, x, x_), 4) for x_ in missing}}
+            else:
+                if (stage, n, d) not in exs:
+                    exs[(stage, n, d)] = tasks.sweep_prompts(prompt_maker(stage, hay), tok, n, d,
+                                                             header["per_depth"], seed=SEEDS[stage])
+                ex = exs[(stage, n, d)][i]
+                if ex.answer != base[key].get("key"):
+                    p.error(f"--add-formats: {stage} {n} d={d} #{i} rebuilds with pass key {ex.answer!r}, the sweep "
+                            f"has {base[key].get('key')!r}: the prompts changed (tokenizer, corpus or prompt code)")
+                rec = {"haystack": HAYSTACK[stage], "prefill": MODES[stage]} | _answer(model, ex, missing, stage,
+                                                                                        args.chunk)
+            write({"stage": stage, "length": n, "depth": d, "index": i} | rec
+                  | {"seconds": round(time.time() - t0, 1), "added": True})
+            print(f"added {stage} {n} d={d} #{i}: {time.time() - t0:.1f}s", flush=True)
 
 
 def formats(quick: bool, hybrid: bool = True):
@@ -125,7 +228,23 @@ def main(argv=None):
                    choices=["filler", "perplexity", "prose", "cached", "multikey", "orders"])
     p.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens (the held-out text)")
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
+    p.add_argument("--add-formats", nargs="+", default=None, metavar="FORMAT",
+                   help="measure these formats on the prompts --out already holds (rebuilt from their seeds and "
+                        "checked against the stored pass keys) and append them; the stages in --stages, the "
+                        "lengths in --lengths if given")
     args = p.parse_args(argv)
+    if args.add_formats:
+        from kvlab.formats import get_format
+
+        for n in args.add_formats:
+            try:
+                get_format(n)
+            except ValueError as e:
+                p.error(f"--add-formats: {e}")
+        if len(set(args.add_formats)) < len(args.add_formats):
+            p.error(f"--add-formats lists a format twice: {args.add_formats}")
+        if not args.out.is_file() or not args.out.stat().st_size:
+            p.error(f"--add-formats adds to a sweep: {args.out} holds none yet (run the sweep first)")
     for name in ("per_depth", "chunk", "windows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
@@ -149,25 +268,28 @@ def main(argv=None):
     from kvlab.env import machine as env_machine
     from kvlab.models import load_model
 
-    lengths = args.lengths or ([256, 1024] if args.quick else LENGTHS)
+    lengths = args.lengths or ([] if args.add_formats else [256, 1024] if args.quick else LENGTHS)
     depths = [0.0, 1.0] if args.quick else DEPTHS
     per_depth = 1 if args.quick else args.per_depth
     model, tok = load_model(args.model)
     fmts = formats(args.quick, "sliding_attention" in (getattr(model.config, "layer_types", None) or []))
     window = getattr(model.config, "max_position_embeddings", None)
-    if window and max(lengths) > window:
+    if window and max(lengths, default=0) > window:
         p.error(f"--lengths: {max(lengths)} tokens is past {args.model}'s {window}-token window")
     text = haystack_text or tasks.corpus_text("all")
     hay = tasks.prose_tokens(tok, text)
-    if len(hay) < max(lengths):
+    if len(hay) < max(lengths, default=0):
         p.error(f"the haystack text has {len(hay)} tokens, fewer than {max(lengths)}")
 
     header = {"kind": "header", "model": args.model, "depths": depths, "per_depth": per_depth,
-              "formats": {f.name: {"source": f.source, "bits_per_element": f.bits_per_element(model.config.head_dim),
-                                   "layer_formats": f.layer_names} for f in fmts},
+              "formats": {f.name: _format_entry(f, model.config.head_dim) for f in fmts},
               "haystacks": {"filler": "repeated filler sentences (kvlab.tasks.FILLER)",
                             "prose": str(args.haystack_file) if args.haystack_file else tasks.CORPUS_SOURCE},
               "chunk": args.chunk, "task": "passkey (5 digits, greedy exact match)"}
+    if args.add_formats:
+        add_formats(args, p, model, tok, hay, header, [get_format(n).name for n in args.add_formats])
+        print(f"wrote {args.out}")
+        return
     done = set()
     if args.out.exists() and args.out.stat().st_size:
         lines = _resume_lines(args.out, p)
@@ -176,7 +298,7 @@ def main(argv=None):
             {n: (v["bits_per_element"], v["layer_formats"]) for n, v in old.get("formats", {}).items()}
         if not same or any(old.get(k) != header[k] for k in ("model", "depths", "per_depth", "haystacks")):
             p.error(f"{args.out} holds a different sweep (model, depths, formats or haystack); move it away first")
-        done = {(r["stage"], r["length"], r["depth"], r["index"]) for r in lines[1:]}
+        done = {(r["stage"], r["length"], r["depth"], r["index"]) for r in lines[1:] if "stage" in r}
         print(f"resuming: {len(done)} prompts already measured", flush=True)
     # every stage's prompt must fit its shortest length: say so now, not after the header and hours of work
     for stage, n in plan_of(args, lengths):
@@ -198,7 +320,6 @@ def main(argv=None):
         # "cached" prefills once per format: only CACHED there (fp32 reads the same prompts in "filler")
         per_stage = {"filler": fmts, "prose": fmts, "multikey": fmts, "orders": fmts,
                      "cached": fmts[1:] if args.quick else [f for f in fmts if f.name in CACHED]}
-        mode = {"filler": "full", "prose": "full", "cached": "cached", "multikey": "full", "orders": "full"}
         if "perplexity" in args.stages:  # every format on identical held-out windows, each token reading the cache
             wins = evals.perplexity_windows(tok, window=128 if args.quick else 512,
                                             max_windows=2 if args.quick else args.windows)
@@ -213,27 +334,22 @@ def main(argv=None):
                 print(f"perplexity window #{i}: {time.time() - t0:.1f}s", flush=True)
         for stage, n in plan:
             make = prompt_maker(stage, hay)
-            seed = {"prose": 1, "multikey": 2, "orders": 3}.get(stage, 0)
             for d in depths:
                 todo = [i for i in range(per_depth) if (stage, n, float(d), i) not in done]
                 if not todo:
                     continue
-                exs = tasks.sweep_prompts(make, tok, n, d, per_depth, seed=seed)
+                exs = tasks.sweep_prompts(make, tok, n, d, per_depth, seed=SEEDS[stage])
                 for i in todo:
                     t0 = time.time()
-                    ex = exs[i]
-                    ids = torch.tensor([ex.input_ids])
-                    want = torch.tensor([ex.answer_ids])
-                    gens = evals.answers(model, ids, per_stage[stage], want.shape[1], mode[stage], want, args.chunk)
-                    correct = {name: g[0].tolist() == ex.answer_ids for name, g in gens.items()}
-                    rec = {"stage": stage, "haystack": "prose" if stage in ("prose", "orders") else "filler",
-                           "prefill": mode[stage], "length": n, "depth": float(d), "index": i, "key": ex.answer,
-                           "correct": correct, "seconds": round(time.time() - t0, 1)}
+                    rec = _answer(model, exs[i], per_stage[stage], stage, args.chunk)
+                    rec = {"stage": stage, "haystack": HAYSTACK[stage], "prefill": MODES[stage], "length": n,
+                           "depth": float(d), "index": i} | rec | {"seconds": round(time.time() - t0, 1)}
                     if stage == "multikey":
                         rec["keys"] = tasks.MULTIKEY_KEYS
                     if stage == "orders":
                         rec["records"] = tasks.ORDER_RECORDS
                     write(rec)
+                    correct = rec["correct"]
                     ok = sum(correct.values())
                     print(f"{stage} {n} d={d} #{i}: {ok}/{len(correct)} formats right, {rec['seconds']}s", flush=True)
     print(f"wrote {args.out}")

@@ -174,6 +174,7 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
     import sys
 
     from kvlab.paths import ROOT
+    from kvlab.results import LongSweep
 
     out = tmp_path / "q.jsonl"
     cmd = [sys.executable, str(ROOT / "scripts" / "sweep_long.py"), "--quick", "--model", "kvlab-tiny", "--out", str(out)]
@@ -197,6 +198,25 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
         r = subprocess.run(cmd[:-1] + [str(bad)], capture_output=True, text=True, timeout=600)
         assert r.returncode == 2 and "move the file away" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
         assert bad.read_text() == damaged
+    add = cmd + ["--add-formats", "fp8_e5m2", "--stages", "perplexity", "filler"]  # one more format, same prompts
+    r = subprocess.run(add, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "adding ['fp8_e5m2']" in r.stdout, r.stderr[-2000:]
+    sweep = LongSweep.load(out)
+    assert sweep.formats[-1] == "fp8_e5m2" and sweep.header["added"][0]["formats"] == ["fp8_e5m2"]
+    assert len(sweep.records) == len(lines) - 1  # merged into their prompts' records
+    assert all(("fp8_e5m2" in (x.get("correct") or x["nll"])) == (x["stage"] in ("perplexity", "filler"))
+               for x in sweep.records)
+    assert sweep.paired("filler", "fp8_e5m2", 1024).prompts == 2 and sweep.paired_perplexity("fp8_e5m2")["windows"] == 2
+    again = subprocess.run(add, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "0 prompts to measure" in again.stdout
+    for argv, msg in ((["--add-formats", "int8"], "in the sweep already"), (["--add-formats", "nope"], "unknown KV format"),
+                      (["--add-formats", "q4_0", "--chunk", "7"], "was swept with chunk 1024")):
+        r = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+    changed = out.read_text().replace('"key": "', '"key": "9', 1)  # a prompt the code no longer builds
+    out.write_text(changed)
+    r = subprocess.run(cmd + ["--add-formats", "q4_0", "--stages", "filler"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "the prompts changed" in r.stderr, r.stderr[-500:]
     short = tmp_path / "short.jsonl"  # a stage whose prompt cannot fit: refused before a header is written
     r = subprocess.run(cmd[:-1] + [str(short), "--stages", "orders", "--lengths", "64"], capture_output=True,
                        text=True, timeout=600)

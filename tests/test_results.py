@@ -189,6 +189,40 @@ def test_rungs_find_the_trap_only_past_the_short_needle(tmp_path):
     assert list(fig.data[1].marker.symbol) == ["circle", "circle-open"]
 
 
+def test_formats_added_later_join_their_prompts_and_count_only_once_whole(tmp_path):
+    """sweep_long --add-formats appends a formats line and records marked "added": each merges into the record of
+    the same prompt; a format that has reached only some prompts of a length (or windows) is not reported there."""
+    header = {"kind": "header", "model": "m", "formats": {"fp32": {}, "int4": {}}, "depths": [0.0], "per_depth": 6}
+    recs = [_rec("filler", n, 0.0, i, fp32=True, int4=i >= 4) | {"key": f"k{i}"} for n in (1024, 2048) for i in range(6)]
+    recs += [_ppl(i, fp32=20.0, int4=21.0) for i in range(3)]
+    added = {"kind": "formats", "formats": {"fp8_e5m2": {"bits_per_element": 8.0}}, "date": "2026-12-03"}
+    more = [_rec("filler", 1024, 0.0, i, fp8_e5m2=i > 0) | {"key": f"k{i}", "added": True} for i in range(6)]
+    more += [_rec("filler", 2048, 0.0, i, fp8_e5m2=True) | {"key": f"k{i}", "added": True} for i in range(3)]
+    more += [_ppl(i, fp8_e5m2=20.5) | {"added": True} for i in range(2)]
+    s = R.LongSweep.load(_write(tmp_path, recs + [added] + more, header))
+    assert s.formats == ["fp32", "int4", "fp8_e5m2"] and s.header["added"][0]["date"] == "2026-12-03"
+    assert len(s.records) == 15  # merged, not appended
+    pr = s.paired("filler", "fp8_e5m2", 1024)
+    assert (pr.prompts, pr.lost, pr.gained) == (6, 1, 0) and s.paired("filler", "int4", 2048).lost == 4
+    with pytest.raises(KeyError, match="3 of the 6 prompts at 2048 tokens in .filler. so far"):
+        s.paired("filler", "fp8_e5m2", 2048)
+    assert s.counts("filler", "fp8_e5m2", 2048) == (0, 0) and s.counts("filler", "fp8_e5m2", 1024) == (5, 6)
+    assert [r["length"] for r in s.table() if r["kv_format"] == "fp8_e5m2"] == [1024]
+    with pytest.raises(KeyError, match="2 of the 3 prompts at the perplexity windows"):
+        s.paired_perplexity("fp8_e5m2")
+    s2 = R.LongSweep.load(_write(tmp_path, recs + [added] + more + [_ppl(2, fp8_e5m2=20.5) | {"added": True}], header))
+    assert s2.paired_perplexity("fp8_e5m2")["windows"] == 3 and s2.perplexity("int4") == pytest.approx(math.exp(2.1))
+    for bad, msg in (([added, _rec("filler", 4096, 0.0, 0, fp8_e5m2=True) | {"added": True}], "never measured"),
+                     ([added, _rec("filler", 1024, 0.0, 0, int4=True) | {"key": "k0", "added": True}], "measured twice"),
+                     ([added, _rec("filler", 1024, 0.0, 0, fp8_e5m2=True) | {"key": "k9", "added": True}],
+                      "a different prompt"),
+                     ([_rec("filler", 1024, 0.0, 0, fp8_e5m2=True) | {"key": "k0", "added": True}], "not in the header"),
+                     ([added, added], "already in the sweep"),
+                     ([{"kind": "formats", "formats": {}}], "must name formats")):
+        with pytest.raises(ValueError, match=msg):
+            R.LongSweep.load(_write(tmp_path, recs + bad, header))
+
+
 @pytest.mark.parametrize("line, msg", [
     (_ppl(0, fp32=-1.0), "nll"),
     (_ppl(0, fp32=float("inf")), "nll"),
