@@ -177,9 +177,12 @@ def _quality(risk: dict | None, fmt: str) -> dict:
         return {"measured": False}
     if fmt in REFERENCE_FORMATS:
         return {"measured": True, "reference": True, "models": {}}
-    models = {m: {"held": fmt in r["held"], "needle": r["needle"][fmt], "ppl_increase": r["ppl"].get(fmt)}
-              for m, r in risk.items() if fmt in r["needle"]}
-    return {"measured": bool(models) and len(models) == len(risk), "reference": False, "models": models}
+    # a model where only some of the evidence is in (a format added to a sweep later: perplexity first) is kept,
+    # with ``needle`` None; the format counts as measured only with a needle verdict on every model
+    models = {m: {"held": fmt in r["held"], "needle": r["needle"].get(fmt), "ppl_increase": r["ppl"].get(fmt)}
+              for m, r in risk.items() if fmt in r["needle"] or fmt in r["ppl"]}
+    measured = bool(risk) and all(fmt in r["needle"] for r in risk.values())
+    return {"measured": measured, "reference": False, "models": models}
 
 
 def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = "bf16", formats=DEFAULT_FORMATS,
@@ -257,7 +260,7 @@ def short_model_name(name: str) -> str:
 def markdown(rows: list[dict], quality: bool = True) -> str:
     """The decision table as Markdown (numbers rounded for reading); ``quality=False`` leaves out the risk columns
     (chapter 4's paired needle verdict and perplexity change, one value per model, in the models' order)."""
-    models = next((list(r["quality"]["models"]) for r in rows if r["quality"].get("models")), [])
+    models = list(dict.fromkeys(m for r in rows for m in r["quality"].get("models", {})))
     quality = quality and bool(models)
     head = "| format | bits | whole load's cache | load fits one GPU | most sequences | step | tokens/s | vs first |"
     rule = "|---|---:|---:|---|---:|---:|---:|---:|"
@@ -275,11 +278,12 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
             q = r["quality"]
             if q.get("reference"):
                 line += " reference | reference |"
-            elif not q["measured"]:
+            elif not q["models"]:
                 line += " not measured | — |"
             else:
-                ms = [q["models"][m] for m in models]
-                line += (" " + " · ".join("yes" if x["held"] else "**no**" for x in ms) + " | "
+                ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]
+                line += (" " + " · ".join("not swept" if x["needle"] is None else "yes" if x["held"] else "**no**"
+                                          for x in ms) + " | "
                          + " · ".join(f"{x['ppl_increase']:+.1%}" if x["ppl_increase"] is not None else "—" for x in ms) + " |")
         out.append(line)
     return "\n".join(out)

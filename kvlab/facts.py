@@ -264,14 +264,15 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
-def _lists(sweep, stage: str) -> dict:
-    """Which formats the paired test finds worse where, in one stage of one model's sweep."""
+def _lists(sweep, stage: str, formats: list[str] | None = None) -> dict:
+    """Which formats the paired test finds worse where, in one stage of one model's sweep (``formats``: the
+    sweep's own by default; :attr:`~kvlab.results.LongSweep.all_formats` adds those measured later)."""
     from .results import rungs
 
     if not sweep.lengths(stage):
         return {"measured": False, "lengths": [], "never": [], "short": [], "later": [], "trap": [], "by": {},
                 "never_md": "none", "short_md": "none", "later_md": "none", "trap_md": "none", "flips": [], "status": {}}
-    by = {r["kv_format"]: r for r in rungs(sweep, stage)}
+    by = {r["kv_format"]: r for r in rungs(sweep, stage, formats=formats)}
     lengths = sweep.lengths(stage)
     fell = {f: r["worse_at"] for f, r in by.items() if r["worse_at"]}
     later = [f for f, r in by.items() if r["short_verdict"] != "worse" and r["worse_at"]]
@@ -296,19 +297,29 @@ def _lists(sweep, stage: str) -> dict:
     }
 
 
-def _model_facts(sweep) -> dict:
-    """What one model's long sweep says, rung by rung (the sentences of 4.1-4.3 read these)."""
+def _model_facts(sweep, formats: list[str] | None = None) -> dict:
+    """What one model's long sweep says, rung by rung (the sentences of 4.1-4.3 read these). ``formats``: the
+    sweep's own by default (chapter 4's); chapter 6 adds the engine formats measured later on the same prompts."""
     from .formats import get_format
-    from .results import holm_worse
+    from .results import holm_worse, rungs
 
-    f = _lists(sweep, "filler")
-    prose_worse = {n for n, r in _lists(sweep, "prose")["by"].items() if r["worse_at"]}
+    if formats is not None:  # only those measured at every length of both haystacks (one added later may not be)
+        both = [{r["kv_format"] for r in rungs(sweep, st, formats=formats)} for st in SINGLE_NEEDLE if sweep.lengths(st)]
+        formats = [n for n in formats if n == "fp32" or all(n in b for b in both)]
+    f = _lists(sweep, "filler", formats)
+    prose = _lists(sweep, "prose", formats)
+    prose_worse = {n for n, r in prose["by"].items() if r["worse_at"]}
     if not f["measured"]:
         raise ValueError(f"the {sweep.model} sweep has no filler prompts")
     ref = f["ref"]
     prompts = {t for _, t in ref.values()}
     seconds = sum(r.get("seconds", 0) for r in sweep.records)
     ppl = {n: r["ppl_increase"] for n, r in f["by"].items() if r["ppl_increase"] is not None}
+    for n in set(sweep.all_formats if formats is not None else ()) - set(ppl) - {"fp32"}:
+        try:  # a format added later whose held-out windows are in, not yet its needles
+            ppl[n] = sweep.paired_perplexity(n)["increase"]
+        except KeyError:
+            pass
     # the single needle in both haystacks, every length pooled into one paired test per format
     pooled = {n: sweep.paired_pooled(SINGLE_NEEDLE, n) for n in f["by"]}
     # never worse on the needle: at no length in either haystack, nor pooled (the takeaways' "held")
@@ -330,7 +341,7 @@ def _model_facts(sweep) -> dict:
         "ppl_flags_md": names_md([n for n, r in f["by"].items() if r["ppl_increase"] is not None and not r["ppl_ok"]]),
         "hours": seconds / 3600, "machine": sweep.header.get("machine", "?"), "date": sweep.header.get("date", "?"),
         "torch": sweep.header.get("torch", "?"), "transformers": sweep.header.get("transformers", "?"),
-        "prose": _lists(sweep, "prose"), "cached": _lists(sweep, "cached"), "multikey": _lists(sweep, "multikey"),
+        "prose": prose, "cached": _lists(sweep, "cached"), "multikey": _lists(sweep, "multikey"),
         "orders": _lists(sweep, "orders"),
         **{f"{st}_pooled": {f: sweep.paired_pooled(st, f) for f in sweep.formats if f != "fp32"}
            if sweep.lengths(st) else {} for st in ("multikey", "orders")},
@@ -351,8 +362,8 @@ def _model_facts(sweep) -> dict:
         "vs_base": against_base(sweep), "vs_base_prose": against_base(sweep, "prose"),
         "ppl_later_md": ", ".join(f"`{n}` {ppl[n]:+.0%}" for n in f["later"] if n in ppl) or "none",
         "n_later": len(f["later"]),
-        "bits": {n: d.get("bits_per_element") for n, d in sweep.header["formats"].items()},
-        "never_low_md": ", ".join(f"`{n}` ({sweep.header['formats'][n]['bits_per_element']:.3g} bits"
+        "bits": {n: sweep.format_entry(n).get("bits_per_element") for n in sweep.all_formats},
+        "never_low_md": ", ".join(f"`{n}` ({sweep.format_entry(n)['bits_per_element']:.3g} bits"
                                   + (f" plus {r} recent tokens in full precision" if (r := get_format(n).residual) else "")
                                   + ")" for n in held if _low_bit(n)) or "none",
         "never_8bit_md": names_md([n for n in held if not _low_bit(n)]),
@@ -1494,8 +1505,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     from .roofline import MBU, MFU
 
     sweeps = sweeps or {m: LongSweep.load(path) for m, path in LONG_SWEEPS.items()}
-    smol = _model_facts(sweeps["smollm2-135m"])  # chapter 4's paired SmolLM2 sweep (to 8k)
-    gemma = _model_facts(sweeps["gemma3-270m"])  # chapter 4's long-context model (to 32k)
+    # chapter 4's paired sweeps, with the engine formats measured later on the same prompts (--add-formats)
+    smol = _model_facts(sweeps["smollm2-135m"], sweeps["smollm2-135m"].all_formats)  # SmolLM2, to 8k
+    gemma = _model_facts(sweeps["gemma3-270m"], sweeps["gemma3-270m"].all_formats)  # the long-context model, to 32k
     risk = paired_risk(model_facts=[smol, gemma])
     rows = decide.options(model, gpu, context, concurrency, weights_dtype=weights, formats=formats, risk=risk)
     by = {r["kv_format"]: r for r in rows}
@@ -1706,7 +1718,7 @@ def _layout(p: dict) -> str:
 def _plans_md(plans: dict, by: dict) -> str:
     """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk on each of
     chapter 4's models (paired needle verdict, perplexity change), the engines that offer it."""
-    models = next((list(r["quality"]["models"]) for r in by.values() if r["quality"].get("models")), [])
+    models = list(dict.fromkeys(m for r in by.values() for m in r["quality"].get("models", {})))
     who = " · ".join(short_model_name(m) for m in models)
     rows = [f"| format | GPUs | layout | spare | tokens/s | $ / M tokens | needle, paired ({who}) | perplexity ({who}) "
             "| offered by |", "|---|---:|---|---:|---:|---:|---|---|---|"]
@@ -1714,11 +1726,12 @@ def _plans_md(plans: dict, by: dict) -> str:
         q = by[f]["quality"]
         if q.get("reference"):
             needle, ppl = "reference (fp32 in chapter 4)", "reference"
-        elif not q["measured"]:
+        elif not q["models"]:
             needle, ppl = "not in the paired sweeps", "—"
-        else:
-            ms = [q["models"][m] for m in models]
-            needle = " · ".join(x["needle"].split(" (")[0] for x in ms)  # "worse pooled (−6 +0)": counts in 6.4
+        else:  # a model without a needle verdict yet: "not swept" (a format added to its sweep, perplexity first)
+            ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]
+            needle = " · ".join("not swept" if x["needle"] is None else x["needle"].split(" (")[0]  # counts in 6.4
+                                for x in ms)
             ppl = " · ".join(f"{x['ppl_increase']:+.1%}" if x["ppl_increase"] is not None else "—" for x in ms)
         offered = ", ".join(by[f]["engines"]) or "no engine"
         if p is None:

@@ -202,8 +202,9 @@ class LongSweep:
     """The long-context sweep (``scripts/sweep_long.py``): one record per prompt, every format's outcome.
 
     Formats measured later on the same prompts (``sweep_long.py --add-formats``) come as a ``{"kind": "formats"}``
-    line and records marked ``"added"``; loading merges each into its prompt's record, lists the added formats in
-    the header's ``formats`` and their provenance in ``header["added"]``. An added format that has reached only
+    line and records marked ``"added"``; loading merges each into its prompt's record and lists the added formats
+    apart (:attr:`added_formats`; provenance in ``header["added"]``), so the tables and figures of the sweep's own
+    formats stay as they were and the paired tests reach every format. An added format that has reached only
     some prompts of a length (or some perplexity windows) is refused there until it has them all.
 
     >>> sweep = LongSweep.load()                       # data/results/long_sweep.jsonl
@@ -230,14 +231,16 @@ class LongSweep:
         fmts = header.get("formats")
         if not isinstance(fmts, dict) or not fmts:
             raise ValueError(f"{path}: the header names no formats")
-        header["formats"], header["added"] = dict(fmts), []
+        header["added"], header["added_formats"] = [], {}
+        known = dict(fmts)  # the sweep's own formats and those added later
         records, where = [], {}  # where: a prompt's key -> its index in records
         for i, r in enumerate(lines[1:], start=2):
             at = f"{path}:{i}"
             if isinstance(r, dict) and r.get("kind") == "formats":  # formats added later (sweep_long --add-formats)
-                header["added"].append(cls._added(r, header["formats"], at))
+                header["added"].append(cls._added(r, known, at))
+                header["added_formats"] |= r["formats"]
                 continue
-            cls._check(r, header["formats"], at)
+            cls._check(r, known, at)
             key = (r["stage"], r["length"], r["depth"], r["index"])
             if not r.get("added"):
                 where[key] = len(records)
@@ -301,7 +304,22 @@ class LongSweep:
 
     @property
     def formats(self) -> list[str]:
+        """The formats the sweep itself measured (its header's): chapter 4's."""
         return list(self.header["formats"])
+
+    @property
+    def added_formats(self) -> list[str]:
+        """Formats measured later on the same prompts (``sweep_long.py --add-formats``), some perhaps not on every
+        prompt yet."""
+        return list(self.header.get("added_formats", {}))
+
+    @property
+    def all_formats(self) -> list[str]:
+        return self.formats + self.added_formats
+
+    def format_entry(self, fmt: str) -> dict:
+        """What the sweep recorded about ``fmt`` (its source and bits per element)."""
+        return (self.header["formats"] | self.header.get("added_formats", {}))[fmt]
 
     @staticmethod
     def _whole(fmt: str, outcomes: list[dict], where: str) -> None:
@@ -474,8 +492,11 @@ def load_long_sweeps() -> dict[str, LongSweep]:
 
 
 def rungs(sweep: LongSweep, stage: str = "filler", reference: str = "fp32",
-          ppl_tolerance: float = PPL_TOLERANCE) -> list[dict]:
+          ppl_tolerance: float = PPL_TOLERANCE, formats: list[str] | None = None) -> list[dict]:
     """What each eval rung says of each format on one model, all on identical prompts or windows.
+
+    ``formats`` defaults to the sweep's own (:attr:`LongSweep.formats`); a format is left out where it has not
+    run at every complete length of ``stage``.
 
     Per format: the perplexity increase (None if not measured) and whether it is within
     ``ppl_tolerance``; the paired verdict at the shortest passkey length (*the short needle*); the
@@ -490,19 +511,19 @@ def rungs(sweep: LongSweep, stage: str = "filler", reference: str = "fp32",
     if not lengths:
         raise ValueError(f"the {sweep.model} sweep has no {stage!r} prompts")
     rows = []
-    for fmt in sweep.formats:
+    for fmt in sweep.formats if formats is None else formats:
         if fmt == reference:
             continue
         try:
             ppl = sweep.paired_perplexity(fmt, reference)["increase"]
         except KeyError:
             ppl = None
-        try:
-            short = sweep.paired(stage, fmt, lengths[0], reference).verdict
-        except KeyError:
+        verdicts = [_verdict_or_none(sweep, stage, fmt, n, reference) for n in lengths]
+        if None in verdicts:  # not run here, or (added later) not at every length yet
             continue
+        short = verdicts[0]
         falls = sweep.fails_at(stage, fmt, reference)
-        worse_at = [n for n in lengths if _verdict_or_none(sweep, stage, fmt, n, reference) == "worse"]
+        worse_at = [n for n, v in zip(lengths, verdicts) if v == "worse"]
         ppl_ok = ppl is not None and ppl <= ppl_tolerance
         rows.append({"kv_format": fmt, "ppl_increase": ppl, "ppl_ok": ppl_ok, "short": lengths[0],
                      "short_verdict": short, "falls_at": falls, "worse_at": worse_at,

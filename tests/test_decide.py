@@ -43,6 +43,13 @@ def test_options_rows_and_shortlist():
     assert "not measured" in md and "needle" not in decide.markdown(rows, quality=False)
     plain = decide.options("llama-3.1-8b", "H100-80GB", 1024, 1, formats=["bf16"])
     assert plain[0]["quality"] == {"measured": False} and "needle" not in decide.markdown(plain)
+    # added to the sweeps later: held on A's needles, only perplexity on B so far: shown, not yet on the list
+    risk["A"]["held"].append("fp8_e5m2")
+    risk["A"]["needle"]["fp8_e5m2"], risk["A"]["ppl"]["fp8_e5m2"], risk["B"]["ppl"]["fp8_e5m2"] = "held", 0.02, 0.03
+    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk=risk, formats=["bf16", "fp8_e5m2"])
+    q = rows[1]["quality"]
+    assert q["measured"] is False and q["models"]["B"] == {"held": False, "needle": None, "ppl_increase": 0.03}
+    assert decide.shortlist(rows) == ["bf16"] and "| yes · not swept | +2.0% · +3.0% |" in decide.markdown(rows)
 
 
 def test_paired_risk_reads_both_shipped_sweeps():

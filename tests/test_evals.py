@@ -202,7 +202,7 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
     r = subprocess.run(add, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "adding ['fp8_e5m2']" in r.stdout, r.stderr[-2000:]
     sweep = LongSweep.load(out)
-    assert sweep.formats[-1] == "fp8_e5m2" and sweep.header["added"][0]["formats"] == ["fp8_e5m2"]
+    assert sweep.added_formats == ["fp8_e5m2"] and sweep.header["added"][0]["formats"] == ["fp8_e5m2"]
     assert len(sweep.records) == len(lines) - 1  # merged into their prompts' records
     assert all(("fp8_e5m2" in (x.get("correct") or x["nll"])) == (x["stage"] in ("perplexity", "filler"))
                for x in sweep.records)

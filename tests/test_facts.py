@@ -87,6 +87,38 @@ def test_a_mitigation_is_tested_against_its_base_on_the_same_prompts(tmp_path):
     assert vs["kivi-2+rotate"]["verdict"] == "not distinguishable"
 
 
+def test_a_format_added_later_counts_in_the_risk_only_once_both_haystacks_are_whole(tmp_path):
+    """Chapter 6's risk reads formats added to a sweep later (--add-formats): their perplexity as soon as every
+    held-out window is in, their needle verdict only once every length of both haystacks is; chapter 4's lists
+    keep the sweep's own formats."""
+    import json
+    import math
+
+    from kvlab.results import LongSweep
+
+    head = {"kind": "header", "model": "m", "formats": {"fp32": {}, "int8": {}}, "depths": [0.0], "per_depth": 6}
+    recs = [{"stage": st, "length": n, "depth": 0.0, "index": i, "key": str(i), "correct": {"fp32": True, "int8": True}}
+            for st in ("filler", "prose") for n in (1024, 4096) for i in range(6)]
+    recs += [{"stage": "perplexity", "length": 513, "depth": 0.0, "index": i, "tokens": 512,
+              "nll": {"fp32": 100.0, "int8": 100.5}} for i in range(4)]
+    added = [{"kind": "formats", "formats": {"fp8_e5m2": {"bits_per_element": 8.0}}}]
+    added += [{"stage": "perplexity", "length": 513, "depth": 0.0, "index": i, "tokens": 512,
+               "nll": {"fp8_e5m2": 102.0}, "added": True} for i in range(4)]
+    added += [{"stage": "filler", "length": n, "depth": 0.0, "index": i, "key": str(i), "correct": {"fp8_e5m2": True},
+               "added": True} for n in (1024, 4096) for i in range(6)]
+    prose = [{"stage": "prose", "length": n, "depth": 0.0, "index": i, "key": str(i), "correct": {"fp8_e5m2": i > 0},
+              "added": True} for n in (1024, 4096) for i in range(6)]
+    p = tmp_path / "s.jsonl"
+    for extra, needle in ((added, None), (added + prose[:6], None), (added + prose, "held")):
+        p.write_text("\n".join(json.dumps(x) for x in [head, *recs, *extra]) + "\n")
+        sw = LongSweep.load(p)
+        own, every = facts._model_facts(sw), facts._model_facts(sw, sw.all_formats)
+        assert "fp8_e5m2" not in own["by"] and "fp8_e5m2" not in own["ppl"]
+        assert every["ppl"]["fp8_e5m2"] == pytest.approx(math.exp(4 * 2.0 / (4 * 512)) - 1)
+        risk = facts.paired_risk(model_facts=[every])["m"]
+        assert risk["needle"].get("fp8_e5m2") == needle and ("fp8_e5m2" in risk["held"]) == (needle == "held")
+
+
 def test_llamacpp_on_gemma_is_tabled_beside_kvlab_with_each_sides_verdict(tmp_path):
     import json
 

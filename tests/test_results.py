@@ -200,14 +200,20 @@ def test_formats_added_later_join_their_prompts_and_count_only_once_whole(tmp_pa
     more += [_rec("filler", 2048, 0.0, i, fp8_e5m2=True) | {"key": f"k{i}", "added": True} for i in range(3)]
     more += [_ppl(i, fp8_e5m2=20.5) | {"added": True} for i in range(2)]
     s = R.LongSweep.load(_write(tmp_path, recs + [added] + more, header))
-    assert s.formats == ["fp32", "int4", "fp8_e5m2"] and s.header["added"][0]["date"] == "2026-12-03"
+    assert s.header["added"][0]["date"] == "2026-12-03"
     assert len(s.records) == 15  # merged, not appended
     pr = s.paired("filler", "fp8_e5m2", 1024)
     assert (pr.prompts, pr.lost, pr.gained) == (6, 1, 0) and s.paired("filler", "int4", 2048).lost == 4
     with pytest.raises(KeyError, match="3 of the 6 prompts at 2048 tokens in .filler. so far"):
         s.paired("filler", "fp8_e5m2", 2048)
     assert s.counts("filler", "fp8_e5m2", 2048) == (0, 0) and s.counts("filler", "fp8_e5m2", 1024) == (5, 6)
-    assert [r["length"] for r in s.table() if r["kv_format"] == "fp8_e5m2"] == [1024]
+    assert s.formats == ["fp32", "int4"] and s.added_formats == ["fp8_e5m2"] and s.all_formats[-1] == "fp8_e5m2"
+    assert s.format_entry("fp8_e5m2") == {"bits_per_element": 8.0}
+    assert [r["kv_format"] for r in R.rungs(s)] == ["int4"]  # the sweep's own formats by default
+    assert [r["kv_format"] for r in R.rungs(s, formats=s.all_formats)] == ["int4"]  # not at 2048 yet: left out
+    done = [_rec("filler", 2048, 0.0, i, fp8_e5m2=True) | {"key": f"k{i}", "added": True} for i in range(3, 6)]
+    whole = R.LongSweep.load(_write(tmp_path, recs + [added] + more + done, header))
+    assert [r["kv_format"] for r in R.rungs(whole, formats=whole.all_formats)] == ["int4", "fp8_e5m2"]
     with pytest.raises(KeyError, match="2 of the 3 prompts at the perplexity windows"):
         s.paired_perplexity("fp8_e5m2")
     s2 = R.LongSweep.load(_write(tmp_path, recs + [added] + more + [_ppl(2, fp8_e5m2=20.5) | {"added": True}], header))
