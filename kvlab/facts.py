@@ -13,6 +13,7 @@ chapter's facts in ``make quick`` and fails, naming the sentence, when the data 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from .decide import short_model_name
@@ -397,6 +398,25 @@ def paired_risk(sweeps: dict | None = None, model_facts: list | None = None) -> 
                          "ppl": dict(mf["ppl"])} for mf in model_facts}
 
 
+def shipped_perplexity(formats: list[str], reference: str = "fp32", sweeps: dict | None = None
+                       ) -> dict[str, dict[str, dict]]:
+    """Each format's held-out perplexity against ``reference`` in chapter 4's paired sweeps, per model:
+    ``{format: {"SmolLM2": paired_perplexity row, "Gemma": ...}}`` (chapter 2 sets its live error numbers beside
+    them); a model where the format has not run on every window is left out."""
+    from .results import LONG_SWEEPS, LongSweep
+
+    sweeps = sweeps or {m: LongSweep.load(p) for m, p in LONG_SWEEPS.items()}
+    out = {}
+    for f in formats:
+        out[f] = {}
+        for m, sw in sweeps.items():
+            try:
+                out[f][short_model_name(CH4_NAMES.get(m, m))] = sw.paired_perplexity(f, reference)
+            except KeyError:
+                continue
+    return out
+
+
 SINGLE_NEEDLE = ("filler", "prose")  # the stages whose prompts hold one passkey: pooled together for 4.1's verdict
 CH4_HEAD_DIM = {"smollm2-135m": 64, "gemma3-270m": 256}
 CH4_COMMON_LONGEST = 8192  # both models are swept to here (SmolLM2's window)
@@ -555,7 +575,7 @@ def _residual_note(by_model: dict) -> str:
 
 def _low_bit(fmt: str) -> bool:
     """A 4-bit (or 2-bit) KV format, mitigations and per-layer mixes included: what "INT4 KV" turns on."""
-    return any(t in fmt for t in ("int4", "q4_", "kivi"))
+    return any(t in fmt for t in ("int4", "q4_", "kivi", "fp4"))
 
 
 def _plain_low_bit(fmt: str) -> bool:
@@ -1461,22 +1481,36 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
 # --------------------------------------------------------------------------- chapter 6
 
 CH6_DEPLOYMENT = dict(model="llama-3.1-8b", gpu="H100-80GB", weights="bf16", context=32768, concurrency=64)
-CH6_FORMATS = ["bf16", "fp8_e4m3", "int8", "int8_tensor", "lmdeploy-int8", "q8_0", "kivi-4", "int4", "q4_0", "int4_tensor"]
+CH6_FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_tensor", "lmdeploy-int8", "q8_0", "kivi-4", "int4", "q4_0",
+               "int4_tensor"]
 CH6_CONCURRENCIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CH6_LADDER_PROMPTS = 50  # prompts a server in the endpoint ladder of 6.4
 
 
 CH6_OTHER_BARS = (0.10, 0.20, float("inf"))  # looser perplexity bars than PPL_TOLERANCE, and none
-CH6_LADDER_INT4 = ["lmdeploy-int4", "hf-int4"]  # the INT4 caches LMDeploy and transformers store (kvlab's mirrors)
 
 
-def _ladder_ppl(formats: list[str]) -> dict[str, float]:
-    """Perplexity change per format in SmolLM2's ladder sweep (eval_sweep.json: unpaired, its first 4 passages)."""
-    from .results import ladder, load_sweep
+def _offered_md(fmt: str) -> str:
+    """The engines that store ``fmt`` exactly, else those whose default is near it (llama.cpp's rotated blocks)."""
+    from .formats import engine_nearest, engines_offering
 
-    sweep = load_sweep()
-    rows = {r["kv_format"]: r for r in ladder(sweep, short=512, long_min=max(sweep["lengths"]))}
-    return {f: rows[f]["ppl_increase"] for f in formats if f in rows and rows[f]["ppl_increase"] is not None}
+    with contextlib.suppress(ValueError):  # a format with a suffix ("q4_0+rotate") is no preset
+        if exact := engines_offering([fmt])[fmt]:
+            return engines_md(exact)
+    near = engine_nearest(fmt)
+    return f"{engines_md(list(near))} (near its default)" if near else "no engine"
+
+
+def _added_md(added: list[str], mfs: list[dict]) -> str:
+    """Chapter 6's table of the engine formats added to chapter 4's sweeps later: who offers each, its perplexity
+    change and its needle verdict on each model ("not swept yet" where that model's needles are still to run)."""
+    who = " · ".join(short_model_name(mf["name"]) for mf in mfs)
+    rows = [f"| format | offered by | perplexity ({who}) | needle, paired ({who}) |", "|---|---|---|---|"]
+    for f in added:
+        ppl = " · ".join(f"{mf['ppl'][f]:+.1%}" if f in mf["ppl"] else "—" for mf in mfs)
+        needle = " · ".join(needle_label(mf, f).split(" (")[0] if f in mf["by"] else "not swept yet" for mf in mfs)
+        rows.append(f"| `{f}` | {_offered_md(f)} | {ppl} | {needle} |")
+    return "\n".join(rows)
 
 
 def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], weights=CH6_DEPLOYMENT["weights"],
@@ -1609,10 +1643,15 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "ppl_vllm_int4": [smol["ppl"].get(vllm_near), gemma["ppl"].get(vllm_near)] if vllm_near else [None, None],
         "prompts": smol["prompts"] if smol["prompts_all"] == gemma["prompts_all"] and len(smol["prompts_all"]) == 1 else None,
         "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
-        # the only evidence on those, and on the INT4 caches LMDeploy and transformers offer: SmolLM2's older ladder
-        "ladder_ppl": (ladder_ppl := _ladder_ppl([f for f in formats if not q[f]["measured"]] + CH6_LADDER_INT4)),
-        "ladder_ppl_md": ", ".join(f"`{f}` {v:+.1%}" for f, v in ladder_ppl.items()),
-        "ladder_ppl_windows": LADDER_PPL_WINDOWS,
+        # the engine formats added to both sweeps later on the same prompts (sweep_long.py --add-formats)
+        "added": (added := list(dict.fromkeys(f for sw in sweeps.values() for f in sw.added_formats))),
+        "added_md": _added_md(added, [smol, gemma]),
+        "added_dates": " and ".join(sorted({a.get("date", "?") for sw in sweeps.values() for a in sw.header["added"]})),
+        "added_needles_md": " and ".join(short_model_name(mf["name"]) for mf in (smol, gemma)
+                                         if added and all(f in mf["by"] for f in added)) or "neither model",
+        "added_ppl": {f: [smol["ppl"].get(f), gemma["ppl"].get(f)] for f in added},
+        "added_8bit_md": names_md([f for f in added if not _low_bit(f)]),
+        "added_4bit_md": names_md([f for f in added if _low_bit(f)]),
         "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
     }
     claims = {
@@ -1636,8 +1675,18 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim("q4_0" in smol["holm_rescued"] and "q4_0" in gemma["held"], (smol["holm_rescued"], gemma["held"])),
         "the shortlist is the same at a 10% or 20% bar or with none: the needles alone decide it here":
             _claim(all(v == picks for v in values["bar_shortlists"].values()), values["bar_shortlists"]),
-        "in SmolLM2's ladder the unmeasured 8-bit formats stayed under the bar and the engines' INT4 caches did not":
-            _claim(all((v > PPL_TOLERANCE) == (f in CH6_LADDER_INT4) for f, v in ladder_ppl.items()), ladder_ppl),
+        "of the formats added later, the 8-bit ones stayed under the perplexity bar on both models and each 4-bit one "
+        "went over it on at least one":
+            _claim(bool(added) and all(None not in v and (max(v) < PPL_TOLERANCE) != _low_bit(f)
+                                       for f, v in values["added_ppl"].items()), values["added_ppl"]),
+        "LMDeploy's INT4 (a scale per token and head) costs several times int4's perplexity on Gemma's 256-wide heads, "
+        "and the same as int4 on SmolLM2's 64-wide ones":
+            _claim("lmdeploy-int4" in added and values["added_ppl"]["lmdeploy-int4"][1] > 5 * ppl2["int4"][1]
+                   and abs(values["added_ppl"]["lmdeploy-int4"][0] - ppl2["int4"][0]) < 1e-3,
+                   (values["added_ppl"].get("lmdeploy-int4"), ppl2["int4"])),
+        "every format added later has its perplexity on both models, and none has a needle verdict on Gemma yet":
+            _claim(all(None not in v for v in values["added_ppl"].values()) and not any(f in gemma["by"] for f in added),
+                   values["added_ppl"]),
         "the 4-bit formats under the perplexity bar on both models are ones no engine offers":
             _claim(not values["low_under_bar_offered"], values["low_under_bar_md"]),
         "every verdict Holm's correction would drop belongs to a format that misses the perplexity bar":
@@ -1672,8 +1721,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "at one 4k sequence INT4 speeds a step up by less than 10%": _claim(values["short1_speedup"] < 1.1, short1),
         "chapter 4 ran the same number of prompts at every point on both models":
             _claim(values["prompts"] is not None, (smol["prompts_all"], gemma["prompts_all"])),
-        "every format the chapter measures risk for ran in both paired sweeps but two 8-bit variants":
-            _claim(set(f for f in formats if not q[f]["measured"]) <= {"int8_tensor", "lmdeploy-int8"}, values["unmeasured_md"]),
+        "every format of the table without a verdict on both models is one added to the sweeps later":
+            _claim(set(f for f in formats if not q[f]["measured"]) <= set(added), values["unmeasured_md"]),
         "every plan holds the whole load": _claim(all(p is None or p["replicas"] * p["per_replica"] >= concurrency
                                                       for p in plans.values()), plans),
         "the call needs fewer GPUs than BF16": _claim(call is not None and plans[call]["gpus"] < plans["bf16"]["gpus"],
@@ -1696,7 +1745,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "KIVI-4 passed every test on both models and fits the fewest GPUs but no engine offers it":
             _claim("kivi-4" in at_fewest and not by["kivi-4"]["engines"] and "kivi-4" in smol["held"]
                    and "kivi-4" in gemma["held"] and max(ppl2["kivi-4"]) < PPL_TOLERANCE),
-        "NVFP4 is in neither of chapter 4's needle sweeps": _claim("nvfp4" not in smol["by"] and "nvfp4" not in gemma["by"]),
+        "NVFP4 costs less perplexity than int4 on both models but is over the bar on both":
+            _claim(all(n is not None and PPL_TOLERANCE < n < i for n, i in zip(values["added_ppl"].get("nvfp4", [None]), ppl2["int4"])),
+                   (values["added_ppl"].get("nvfp4"), ppl2["int4"])),
         "INT8 ties the FP8 call on GPUs, within 3% of its modelled throughput, with lower perplexity on both models, offered by vLLM's Triton backend only":
             _claim(call == "fp8_e4m3" and "int8" in picks and plans["int8"]["gpus"] == plans[call]["gpus"]
                    and 0 <= values["int8_gap"] < 0.03 and all(i < f for i, f in zip(ppl2["int8"], ppl2[call]))
