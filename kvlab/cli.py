@@ -49,8 +49,10 @@ def _number_text(text, what: str) -> str:
     script ("４" is 4 to Python) or thousands of characters (a 5,000-digit integer; "9" * 400 as a float is inf).
     The messages leave out the flag's name: argparse puts "argument --flag:" in front of them."""
     s = text.strip()
-    if not s.isascii():
+    if not text.isascii():  # the text itself: strip() would take a no-break space away unseen
         raise argparse.ArgumentTypeError(f"must be {what} written in ASCII digits, got {_shown(repr(text))}")
+    if "_" in s:  # int("1_000") is 1000: a typo as likely as a separator
+        raise argparse.ArgumentTypeError(f"must be {what} without '_' separators, got {_shown(repr(text))}")
     if len(s) > MAX_NUMBER_CHARS:
         raise argparse.ArgumentTypeError(f"must be {what} of at most {MAX_NUMBER_CHARS} characters, got "
                                          f"{len(s):,}, starting {s[:20]!r}")

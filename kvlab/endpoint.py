@@ -194,10 +194,11 @@ class Endpoint:
                 raise EndpointError(f"{url} answered HTTP {r.status_code}, a redirect to {where!r}, not followed: "
                                     "give the server's own address")
             doc = _json_or_none(content)
-            if doc is None:
-                raise EndpointError(f"{url} answered with {_json_problem(content)}: {content[:200]!r}")
+            if doc is None and (why := _json_problem(content)):
+                raise EndpointError(f"{url} answered with {why}: {content[:200]!r}")
             if not isinstance(doc, dict):
-                raise EndpointError(f"{url} answered with JSON that is not an object: {str(doc)[:200]}")
+                raise EndpointError(f"{url} answered with JSON that is not an object: "
+                                    f"{_printable(json.dumps(doc, ensure_ascii=False)[:200])}")
             return doc
         raise EndpointError(f"{url}: gave up after {self.retries + 1} {'try' if self.retries == 0 else 'tries'}; "
                             f"last: {last}")
@@ -373,15 +374,15 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _json_problem(content: bytes) -> str:
-    """What was wrong with a body :func:`_json_or_none` could not read, in words."""
+def _json_problem(content: bytes) -> str | None:
+    """What is wrong with a body :func:`_json_or_none` read as None, in words; None when it is JSON's ``null``."""
     try:
         json.loads(content)
     except RecursionError:
         return "JSON nested too deeply to read"
     except ValueError:
-        pass
-    return "something that is not JSON"
+        return "something that is not JSON"
+    return None
 
 
 def _server_message(content: bytes) -> str:

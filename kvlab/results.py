@@ -222,9 +222,19 @@ class LongSweep:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_long.py to create it")
         try:
-            lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} is not a JSON Lines sweep: {e}") from None
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not a JSON Lines sweep: not UTF-8 ({e.reason})") from None
+        lines = []
+        for i, x in enumerate(text.splitlines(), start=1):
+            if not x.strip():
+                continue
+            try:
+                lines.append(json.loads(x))
+            except RecursionError:
+                raise ValueError(f"{path}:{i} nests too deeply to be a sweep line") from None
+            except ValueError as e:  # not JSON, or an integer of thousands of digits
+                raise ValueError(f"{path}:{i} is not a JSON sweep line: {str(e)[:120]}") from None
         if not lines or not isinstance(lines[0], dict) or lines[0].get("kind") != "header":
             raise ValueError(f"{path}: the first line must be the sweep's header")
         header = dict(lines[0])

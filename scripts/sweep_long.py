@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -91,8 +92,9 @@ def _resume_lines(path: Path, p) -> list[dict]:
         try:
             rec = json.loads(x)
         except json.JSONDecodeError as e:
-            if i == len(raw) and not text.endswith("\n"):
-                print(f"{path}:{i}: dropping a record cut off mid-write; its prompt runs again", flush=True)
+            if i == len(raw) and i > 1 and not text.endswith("\n"):
+                print(f"{path}:{i}: dropping a record cut off mid-write (a run killed while writing it); the "
+                      "sweep, or --add-formats if it was an added record, measures that prompt again", flush=True)
                 with path.open("r+b") as f:
                     f.truncate(path.read_bytes().rfind(b"\n") + 1)
                 break
@@ -124,80 +126,100 @@ def _format_entry(f, head_dim: int) -> dict:
     return {"source": f.source, "bits_per_element": f.bits_per_element(head_dim), "layer_formats": f.layer_names}
 
 
+REFERENCE_TOLERANCE = 1e-3  # relative: full precision's NLL on a held-out window, then and now (a thread count or
+# library change moves it by about 1e-5; a different window by far more than 1e-3)
+
+
 def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> None:
-    """``--add-formats``: measure ``names`` on the prompts the sweep file already holds, rebuilt from their seeds
-    (each prompt's pass key is checked against the one stored, so a changed tokenizer, corpus or prompt code
-    stops the run instead of pairing different prompts). Appends one ``{"kind": "formats"}`` line, then one
-    record marked ``"added"`` per prompt, as it goes; run again to resume. The stages in ``--stages`` (and the
-    lengths in ``--lengths``, if given) are measured, held-out perplexity first, then by length."""
+    """``--add-formats``: measure ``names`` on the prompts the sweep file already holds, rebuilt from their seeds.
+
+    Before anything is written, the file is read and checked whole (:meth:`kvlab.results.LongSweep.load`) and
+    every prompt to measure is rebuilt and its pass key compared with the one stored; while measuring, full
+    precision runs again beside the new formats and must give the stored answer on each prompt (on each held-out
+    window, the stored NLL within :data:`REFERENCE_TOLERANCE`), so a changed tokenizer, haystack or prompt code
+    stops the run instead of pairing different prompts. Appends one ``{"kind": "formats"}`` line, then one record
+    marked ``"added"`` per prompt, as it goes; run again to resume. The stages in ``--stages`` (and the lengths in
+    ``--lengths``, if given) are measured, held-out perplexity first, then by length. (The prompt-reads-the-cache
+    stage has no full-precision answers of its own: its prompts are the filler stage's, checked there.)"""
     import torch
     import transformers
 
     from kvlab import evals, tasks
     from kvlab.env import machine as env_machine
     from kvlab.formats import get_format
+    from kvlab.results import LongSweep
 
-    lines = _resume_lines(args.out, p)
-    old = lines[0]
+    _resume_lines(args.out, p)  # drops a last line cut off mid-write (an interrupted run's)
+    try:
+        sweep = LongSweep.load(args.out)
+    except ValueError as e:
+        p.error(f"--add-formats: {e}; fix the file or run the sweep again into a new one")
+    old = sweep.header
     for k in ("model", "depths", "per_depth", "haystacks", "chunk"):
         if old.get(k) != header[k]:
             p.error(f"--add-formats: {args.out} was swept with {k} {old.get(k)!r}, this command gives {header[k]!r}; "
                     "pass the sweep's own --model, --per-depth, --chunk, --haystack-file (and --quick)")
-    if clash := [n for n in names if n in old["formats"]]:
+    if clash := [n for n in names if n in sweep.formats]:
         p.error(f"--add-formats: {clash} are in the sweep already")
-    declared = dict(old["formats"])
-    for r in lines[1:]:
-        if r.get("kind") == "formats":
-            declared |= r["formats"]
     fmts = [get_format(n) for n in names]
-    new = {f.name: _format_entry(f, model.config.head_dim) for f in fmts if f.name not in declared}
-    base, have = {}, {}
-    for r in lines[1:]:
-        if "stage" in r:
-            key = (r["stage"], r["length"], r["depth"], r["index"])
-            base.setdefault(key, r)
-            have.setdefault(key, set()).update(r["nll" if r["stage"] == "perplexity" else "correct"])
+    new = {f.name: _format_entry(f, model.config.head_dim) for f in fmts if f.name not in sweep.all_formats}
+    base = {(r["stage"], r["length"], r["depth"], r["index"]): r for r in sweep.records}
+    field = {k: "nll" if k[0] == "perplexity" else "correct" for k in base}
     order = ["perplexity", "filler", "prose", "multikey", "orders", "cached"]
-    todo = sorted((k for k in base if k[0] in args.stages and set(names) - have[k]
+    todo = sorted((k for k in base if k[0] in args.stages and set(names) - set(base[k][field[k]])
                    and (k[0] == "perplexity" or not args.lengths or k[1] in args.lengths)),
                   key=lambda k: (order.index(k[0]), k[1], k[2], k[3]))
     print(f"adding {names}: {len(todo)} prompts to measure", flush=True)
-    wins = None
+    # every prompt rebuilt and checked before a line is written
+    wins, exs = None, {}
+    if any(k[0] == "perplexity" for k in todo):
+        count = 1 + max(k[3] for k in base if k[0] == "perplexity")
+        wins = evals.perplexity_windows(tok, window=128 if args.quick else 512, max_windows=count)
+    for stage, n, d, i in todo:
+        if stage == "perplexity":
+            if i >= len(wins) or wins[i].shape[1] != n:
+                p.error(f"--add-formats: held-out window #{i} is not the {n}-token window the sweep read: the "
+                        "held-out text or tokenizer changed")
+            continue
+        if (stage, n, d) not in exs:
+            exs[(stage, n, d)] = tasks.sweep_prompts(prompt_maker(stage, hay), tok, n, d, header["per_depth"],
+                                                     seed=SEEDS[stage])
+        have = base[(stage, n, d, i)].get("key")
+        if i >= len(exs[(stage, n, d)]) or exs[(stage, n, d)][i].answer != have:
+            got = exs[(stage, n, d)][i].answer if i < len(exs[(stage, n, d)]) else "no prompt"
+            p.error(f"--add-formats: {stage} {n} d={d} #{i} rebuilds as {got!r}, the sweep has pass key {have!r}: "
+                    "the prompts changed (tokenizer, corpus or prompt code)")
+    ref = get_format("fp32")
     with args.out.open("a") as f:
         def write(rec):
             f.write(json.dumps(rec, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
-        if new:
+        if new and todo:
             write({"kind": "formats", "formats": new, "machine": env_machine(torch.get_num_threads()),
                    "torch": torch.__version__, "transformers": transformers.__version__,
                    "date": time.strftime("%Y-%m-%d")})
-        exs = {}
         for key in todo:
             stage, n, d, i = key
-            missing = [x for x in fmts if x.name not in have[key]]
+            missing = [x for x in fmts if x.name not in base[key][field[key]]]
             t0 = time.time()
             if stage == "perplexity":
-                if wins is None:
-                    count = 1 + max(k[3] for k in base if k[0] == "perplexity")
-                    wins = evals.perplexity_windows(tok, window=128 if args.quick else 512, max_windows=count)
-                x = wins[i]
-                if x.shape[1] != n:
-                    p.error(f"--add-formats: held-out window #{i} has {x.shape[1]} tokens now, {n} in the sweep: "
-                            "the held-out text or tokenizer changed")
+                nll = {x.name: round(evals.window_nll(model, wins[i], x), 4) for x in [ref, *missing]}
+                then = base[key]["nll"]["fp32"]
+                if abs(nll["fp32"] - then) > REFERENCE_TOLERANCE * then:
+                    p.error(f"--add-formats: full precision reads held-out window #{i} as {nll['fp32']} nats now, "
+                            f"{then} in the sweep: not the same window; nothing more is added")
                 rec = {"haystack": "heldout", "prefill": "cached", "tokens": n - 1,
-                       "nll": {x_.name: round(evals.window_nll(model, x, x_), 4) for x_ in missing}}
+                       "nll": {k: v for k, v in nll.items() if k != "fp32"}}
             else:
-                if (stage, n, d) not in exs:
-                    exs[(stage, n, d)] = tasks.sweep_prompts(prompt_maker(stage, hay), tok, n, d,
-                                                             header["per_depth"], seed=SEEDS[stage])
                 ex = exs[(stage, n, d)][i]
-                if ex.answer != base[key].get("key"):
-                    p.error(f"--add-formats: {stage} {n} d={d} #{i} rebuilds with pass key {ex.answer!r}, the sweep "
-                            f"has {base[key].get('key')!r}: the prompts changed (tokenizer, corpus or prompt code)")
-                rec = {"haystack": HAYSTACK[stage], "prefill": MODES[stage]} | _answer(model, ex, missing, stage,
-                                                                                        args.chunk)
+                check = MODES[stage] == "full"  # full precision decodes from the same prefill: one more decode
+                out = _answer(model, ex, [ref, *missing] if check else missing, stage, args.chunk)
+                if check and out["correct"].pop("fp32") != base[key]["correct"]["fp32"]:
+                    p.error(f"--add-formats: full precision answers {stage} {n} d={d} #{i} differently from the "
+                            "sweep: not the same prompt (a changed haystack?); nothing more is added")
+                rec = {"haystack": HAYSTACK[stage], "prefill": MODES[stage]} | out
             write({"stage": stage, "length": n, "depth": d, "index": i} | rec
                   | {"seconds": round(time.time() - t0, 1), "added": True})
             print(f"added {stage} {n} d={d} #{i}: {time.time() - t0:.1f}s", flush=True)
@@ -233,18 +255,15 @@ def main(argv=None):
                         "checked against the stored pass keys) and append them; the stages in --stages, the "
                         "lengths in --lengths if given")
     args = p.parse_args(argv)
-    if args.add_formats:
-        from kvlab.formats import get_format
+    try:
+        return _main(p, args)
+    except KeyboardInterrupt:
+        print(f"interrupted: every record written to {args.out} is kept; run the same command to resume",
+              file=sys.stderr)
+        return 130
 
-        for n in args.add_formats:
-            try:
-                get_format(n)
-            except ValueError as e:
-                p.error(f"--add-formats: {e}")
-        if len(set(args.add_formats)) < len(args.add_formats):
-            p.error(f"--add-formats lists a format twice: {args.add_formats}")
-        if not args.out.is_file() or not args.out.stat().st_size:
-            p.error(f"--add-formats adds to a sweep: {args.out} holds none yet (run the sweep first)")
+
+def _main(p, args):
     for name in ("per_depth", "chunk", "windows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
@@ -254,6 +273,19 @@ def main(argv=None):
         p.error(f"--lengths lists a length twice: {args.lengths}")
     if why := out_problem(args.out):
         p.error(why)
+    if args.add_formats:
+        from kvlab.formats import get_format
+
+        try:
+            args.add_formats = [get_format(n).name for n in args.add_formats]
+        except ValueError as e:
+            p.error(f"--add-formats: {e}")
+        if len(set(args.add_formats)) < len(args.add_formats):
+            p.error(f"--add-formats lists a format twice: {args.add_formats}")
+        if args.out.is_dir():
+            p.error(f"--add-formats adds to a sweep file: {args.out} is a folder")
+        if not args.out.is_file() or not args.out.stat().st_size:
+            p.error(f"--add-formats adds to a sweep: {args.out} holds none yet (run the sweep first)")
     haystack_text = None
     if args.haystack_file is not None:
         try:
@@ -287,7 +319,7 @@ def main(argv=None):
                             "prose": str(args.haystack_file) if args.haystack_file else tasks.CORPUS_SOURCE},
               "chunk": args.chunk, "task": "passkey (5 digits, greedy exact match)"}
     if args.add_formats:
-        add_formats(args, p, model, tok, hay, header, [get_format(n).name for n in args.add_formats])
+        add_formats(args, p, model, tok, hay, header, args.add_formats)
         print(f"wrote {args.out}")
         return
     done = set()
@@ -356,4 +388,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -518,7 +518,8 @@ def test_number_flags_take_a_value_in_bounds_or_refuse_in_one_short_line(flag, t
 
 
 def test_number_flags_name_what_is_wrong(capsys):
-    for argv, needle in ((["budget", "--batch", "４"], "ASCII digits"),
+    for argv, needle in ((["budget", "--batch", "４"], "ASCII digits"), (["budget", "--batch", "5\xa0"], "ASCII digits"),
+                         (["budget", "--batch", "1_000"], "without '_' separators"),
                          (["budget", "--batch", "9" * 5000], "at most 40 characters, got 5,000, starting '99999"),
                          (["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "9" * 400], "at most 40 characters"),
                          (["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "1e999"], "got 1e999"),

@@ -542,6 +542,8 @@ def test_ctrl_c_on_the_cli_exits_130_with_one_line(stub, tmp_path):
      "token_logprobs must be a list"),
     (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply to read"),
     (b"{not json", "something that is not JSON"),
+    (b"null", "JSON that is not an object: null"),
+    (b'"\\u001b[2J\\u001b[31mPWNED"', r'not an object: "\\u001b\[2J'),  # a terminal's escapes shown, not sent
     (b'{"choices": [{"text": "1"}], "usage": {"prompt_tokens": NaN}}', None),
 ])
 def test_malformed_answers_are_errors_not_crashes(stub, body, why):

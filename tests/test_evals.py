@@ -213,10 +213,24 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
                       (["--add-formats", "q4_0", "--chunk", "7"], "was swept with chunk 1024")):
         r = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=600)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
-    changed = out.read_text().replace('"key": "', '"key": "9', 1)  # a prompt the code no longer builds
-    out.write_text(changed)
-    r = subprocess.run(cmd + ["--add-formats", "q4_0", "--stages", "filler"], capture_output=True, text=True, timeout=600)
+    changed = whole.replace('"key": "', '"key": "9', 1)  # a prompt the code no longer builds
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text(changed)
+    r = subprocess.run(cmd[:-1] + [str(tampered), "--add-formats", "q4_0", "--stages", "filler"], capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 2 and "the prompts changed" in r.stderr, r.stderr[-500:]
+    assert tampered.read_text() == changed  # refused before a line is written
+    out.write_text(out.read_text().replace('"key": "', '"key": "9', 1))  # the sweep's record no longer its added one's
+    r = subprocess.run(add, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "a different prompt" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+    recs = [json.loads(x) for x in whole.splitlines()]
+    ppl = next(x for x in recs if x.get("stage") == "perplexity")
+    ppl["nll"]["fp32"] = round(ppl["nll"]["fp32"] * 1.1, 4)  # full precision no longer reads the window it read
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    r = subprocess.run(cmd[:-1] + [str(moved), "--add-formats", "q4_0", "--stages", "perplexity"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 2 and "not the same window" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
     short = tmp_path / "short.jsonl"  # a stage whose prompt cannot fit: refused before a header is written
     r = subprocess.run(cmd[:-1] + [str(short), "--stages", "orders", "--lengths", "64"], capture_output=True,
                        text=True, timeout=600)

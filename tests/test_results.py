@@ -252,8 +252,14 @@ def test_a_sweep_without_header_or_file_is_refused(tmp_path):
     p.write_text('{"stage": "filler"}\n')
     with pytest.raises(ValueError, match="header"):
         R.LongSweep.load(p)
-    p.write_text("not json\n")
-    with pytest.raises(ValueError, match="JSON Lines"):
+    head = '{"kind": "header", "model": "m", "formats": {"fp32": {}}}\n'
+    for bad, msg in (("not json\n", "s.jsonl:2 is not a JSON sweep line"), ("[" * 100_000 + "]" * 100_000 + "\n",
+                     "s.jsonl:2 nests too deeply"), ('{"index": ' + "9" * 5000 + "}\n", "s.jsonl:2 is not a JSON sweep line")):
+        p.write_text(head + bad)
+        with pytest.raises(ValueError, match=msg):
+            R.LongSweep.load(p)
+    p.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="not UTF-8"):
         R.LongSweep.load(p)
     with pytest.raises(FileNotFoundError, match="sweep_long"):
         R.LongSweep.load(tmp_path / "missing.jsonl")
