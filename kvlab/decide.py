@@ -282,7 +282,7 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
                 line += " not measured | — |"
             else:
                 ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]
-                line += (" " + " · ".join("not swept" if x["needle"] is None else "yes" if x["held"] else "**no**"
+                line += (" " + " · ".join("not run yet" if x["needle"] is None else "yes" if x["held"] else "**no**"
                                           for x in ms) + " | "
                          + " · ".join(f"{x['ppl_increase']:+.1%}" if x["ppl_increase"] is not None else "—" for x in ms) + " |")
         out.append(line)

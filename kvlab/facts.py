@@ -1501,14 +1501,20 @@ def _offered_md(fmt: str) -> str:
     return f"{engines_md(list(near))} (near its default)" if near else "no engine"
 
 
+def _pct(x: float) -> str:
+    """A perplexity change as a table shows it: "+0.4%", and "±0.0%" for a change that rounds to zero."""
+    t = f"{x:+.1%}"
+    return "±0.0%" if t in ("+0.0%", "-0.0%") else t
+
+
 def _added_md(added: list[str], mfs: list[dict]) -> str:
     """Chapter 6's table of the engine formats added to chapter 4's sweeps later: who offers each, its perplexity
-    change and its needle verdict on each model ("not swept yet" where that model's needles are still to run)."""
+    change and its needle verdict on each model ("not run yet" where that model's needles are still to run)."""
     who = " · ".join(short_model_name(mf["name"]) for mf in mfs)
     rows = [f"| format | offered by | perplexity ({who}) | needle, paired ({who}) |", "|---|---|---|---|"]
     for f in added:
-        ppl = " · ".join(f"{mf['ppl'][f]:+.1%}" if f in mf["ppl"] else "—" for mf in mfs)
-        needle = " · ".join(needle_label(mf, f).split(" (")[0] if f in mf["by"] else "not swept yet" for mf in mfs)
+        ppl = " · ".join(_pct(mf["ppl"][f]) if f in mf["ppl"] else "—" for mf in mfs)
+        needle = " · ".join(needle_label(mf, f).split(" (")[0] if f in mf["by"] else "not run yet" for mf in mfs)
         rows.append(f"| `{f}` | {_offered_md(f)} | {ppl} | {needle} |")
     return "\n".join(rows)
 
@@ -1651,6 +1657,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                                          if added and all(f in mf["by"] for f in added)) or "neither model",
         "added_ppl": {f: [smol["ppl"].get(f), gemma["ppl"].get(f)] for f in added},
         "added_8bit_md": names_md([f for f in added if not _low_bit(f)]),
+        "added_8bit_hi": max((x for f in added if not _low_bit(f) for x in (smol["ppl"].get(f), gemma["ppl"].get(f))
+                              if x is not None), default=None),
+        "added_pending_md": " and ".join(f"{short_model_name(mf['name'])}'s" for mf in (smol, gemma)
+                                         if not all(f in mf["by"] for f in added)) or "no model's",
         "added_4bit_md": names_md([f for f in added if _low_bit(f)]),
         "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
     }
@@ -1755,6 +1765,14 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                    (plans["int8"], values["int8_gap"], ppl2["int8"], ppl2[call], by["int8"]["engines"])),
         "the call held on both models' needles and stayed under the perplexity bar on both":
             _claim(call in smol["held"] and call in gemma["held"] and max(ppl2[call]) < PPL_TOLERANCE, (call, ppl2.get(call))),
+        "the formats without a needle verdict on both models need no fewer GPUs than the call":
+            _claim(call is not None and all(plans[f] and plans[f]["gpus"] >= plans[call]["gpus"]
+                                            for f in formats if not q[f]["measured"]), values["unmeasured_md"]),
+        "q4_0+rotate, added later, is over the 5% bar and under 20% on both models":
+            _claim(PPL_TOLERANCE < max(values["added_ppl"].get("q4_0+rotate") or [1]) < 0.2, values["added_ppl"].get("q4_0+rotate")),
+        "the 8-bit formats added later stay under the bar (the bar sits above every 8-bit cache measured)":
+            _claim(values["added_8bit_hi"] is not None and max(values["added_8bit_hi"], max(noise)) < PPL_TOLERANCE,
+                   values["added_8bit_hi"]),
         "the perplexity bar is several times the spread of the 8-bit formats":
             _claim(PPL_TOLERANCE > 5 * max(abs(min(noise)), abs(max(noise))), noise),
     }
@@ -1779,11 +1797,11 @@ def _plans_md(plans: dict, by: dict) -> str:
             needle, ppl = "reference (fp32 in chapter 4)", "reference"
         elif not q["models"]:
             needle, ppl = "not in the paired sweeps", "—"
-        else:  # a model without a needle verdict yet: "not swept" (a format added to its sweep, perplexity first)
+        else:  # a model without a needle verdict yet: "not run yet" (a format added to its sweep, perplexity first)
             ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]
-            needle = " · ".join("not swept" if x["needle"] is None else x["needle"].split(" (")[0]  # counts in 6.4
+            needle = " · ".join("not run yet" if x["needle"] is None else x["needle"].split(" (")[0]  # counts in 6.4
                                 for x in ms)
-            ppl = " · ".join(f"{x['ppl_increase']:+.1%}" if x["ppl_increase"] is not None else "—" for x in ms)
+            ppl = " · ".join(_pct(x["ppl_increase"]) if x["ppl_increase"] is not None else "—" for x in ms)
         offered = ", ".join(by[f]["engines"]) or "no engine"
         if p is None:
             rows.append(f"| `{f}` | over 64 | — | — | — | — | {needle} | {ppl} | {offered} |")

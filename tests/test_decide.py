@@ -49,7 +49,7 @@ def test_options_rows_and_shortlist():
     rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk=risk, formats=["bf16", "fp8_e5m2"])
     q = rows[1]["quality"]
     assert q["measured"] is False and q["models"]["B"] == {"held": False, "needle": None, "ppl_increase": 0.03}
-    assert decide.shortlist(rows) == ["bf16"] and "| yes · not swept | +2.0% · +3.0% |" in decide.markdown(rows)
+    assert decide.shortlist(rows) == ["bf16"] and "| yes · not run yet | +2.0% · +3.0% |" in decide.markdown(rows)
 
 
 def test_paired_risk_reads_both_shipped_sweeps():
