@@ -1589,7 +1589,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "nvfp4_engines": engines_md(engines_offering(["nvfp4"])["nvfp4"]),
         "plans_flat": plans_flat, "big_reserve_gib": big, "plans_big": plans_big, "tp2_reserve_gib": B.TP_RESERVE_GIB[2],
         "reserve_gib": B.DEFAULT_RESERVE_GIB,
-        "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
+        "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "price_source": B.get_gpu(gpu).price_source,
+        "bandwidth_tbs": B.get_gpu(gpu).bandwidth_bytes_per_s / 1e12, "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
         "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
         "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
         "model": model, "gpu": gpu, "context": context, "concurrency": concurrency,
@@ -1713,7 +1714,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "every verdict Holm's correction would drop on the original formats belongs to one that misses the perplexity bar":
             _claim(values["holm_rescued_all_fail_ppl"], values["holm_rescued_md"]),
         "Holm would clear fp8_e5m2 on SmolLM2 (under the bar), which has no needle verdict on Gemma yet":
-            _claim(values["holm_added"] == ["fp8_e5m2"] and not q["fp8_e5m2"]["measured"]
+            _claim(values["holm_added"] == ["fp8_e5m2"] and not q.get("fp8_e5m2", {}).get("measured")
                    and max(values["added_ppl"]["fp8_e5m2"]) < PPL_TOLERANCE, values["holm_added"]),
         "of the 8-bit formats added later, only fp8_e5m2 was found worse on SmolLM2's needles (pooled), and the "
         "8-bit formats of the original sweeps all held there":
