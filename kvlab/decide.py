@@ -252,6 +252,12 @@ def switch_md(row: dict, baseline: str = "bf16") -> str:
         f"    --tokenizer YOUR/MODEL {row['eval_args']} --out {name}-vs-{baseline}.json\n```")
 
 
+def pct(x: float) -> str:
+    """A perplexity change as a table shows it: "+0.4%", and "±0.0%" for a change that rounds to zero."""
+    t = f"{x:+.1%}"
+    return "±0.0%" if t in ("+0.0%", "-0.0%") else t
+
+
 def short_model_name(name: str) -> str:
     """A model's name as a table column says it: "SmolLM2-135M-Instruct" -> "SmolLM2", "Gemma 3 270M" -> "Gemma"."""
     return name.split()[0].split("-")[0]
@@ -278,13 +284,13 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
             q = r["quality"]
             if q.get("reference"):
                 line += " reference | reference |"
-            elif not q["models"]:
+            elif not q.get("models"):
                 line += " not measured | — |"
             else:
                 ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]
                 line += (" " + " · ".join("not run yet" if x["needle"] is None else "yes" if x["held"] else "**no**"
                                           for x in ms) + " | "
-                         + " · ".join(f"{x['ppl_increase']:+.1%}" if x["ppl_increase"] is not None else "—" for x in ms) + " |")
+                         + " · ".join(pct(x["ppl_increase"]) if x["ppl_increase"] is not None else "—" for x in ms) + " |")
         out.append(line)
     return "\n".join(out)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from .decide import pct as _pct
 from .decide import short_model_name
 from .results import PPL_TOLERANCE
 
@@ -304,6 +305,7 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
     from .formats import get_format
     from .results import holm_worse, rungs
 
+    asked = formats
     if formats is not None:  # only those measured at every length of both haystacks (one added later may not be)
         both = [{r["kv_format"] for r in rungs(sweep, st, formats=formats)} for st in SINGLE_NEEDLE if sweep.lengths(st)]
         formats = [n for n in formats if n == "fp32" or all(n in b for b in both)]
@@ -316,11 +318,12 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
     prompts = {t for _, t in ref.values()}
     seconds = sum(r.get("seconds", 0) for r in sweep.records)
     ppl = {n: r["ppl_increase"] for n, r in f["by"].items() if r["ppl_increase"] is not None}
-    for n in set(sweep.all_formats if formats is not None else ()) - set(ppl) - {"fp32"}:
-        try:  # a format added later whose held-out windows are in, not yet its needles
-            ppl[n] = sweep.paired_perplexity(n)["increase"]
-        except KeyError:
-            pass
+    for n in asked or ():
+        if n not in ppl and n != "fp32":
+            try:  # a format added later whose held-out windows are in, not yet its needles
+                ppl[n] = sweep.paired_perplexity(n)["increase"]
+            except KeyError:
+                pass
     # the single needle in both haystacks, every length pooled into one paired test per format
     pooled = {n: sweep.paired_pooled(SINGLE_NEEDLE, n) for n in f["by"]}
     # never worse on the needle: at no length in either haystack, nor pooled (the takeaways' "held")
@@ -1501,12 +1504,6 @@ def _offered_md(fmt: str) -> str:
     return f"{engines_md(list(near))} (near its default)" if near else "no engine"
 
 
-def _pct(x: float) -> str:
-    """A perplexity change as a table shows it: "+0.4%", and "±0.0%" for a change that rounds to zero."""
-    t = f"{x:+.1%}"
-    return "±0.0%" if t in ("+0.0%", "-0.0%") else t
-
-
 def _added_md(added: list[str], mfs: list[dict]) -> str:
     """Chapter 6's table of the engine formats added to chapter 4's sweeps later: who offers each, its perplexity
     change and its needle verdict on each model ("not run yet" where that model's needles are still to run)."""
@@ -1703,7 +1700,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                                        for f, v in values["added_ppl"].items()), values["added_ppl"]),
         "LMDeploy's INT4 (a scale per token and head) costs several times int4's perplexity on Gemma's 256-wide heads, "
         "and the same as int4 on SmolLM2's 64-wide ones":
-            _claim("lmdeploy-int4" in added and values["added_ppl"]["lmdeploy-int4"][1] > 5 * ppl2["int4"][1]
+            _claim("lmdeploy-int4" in added and None not in values["added_ppl"]["lmdeploy-int4"]
+                   and values["added_ppl"]["lmdeploy-int4"][1] > 5 * ppl2["int4"][1]
                    and abs(values["added_ppl"]["lmdeploy-int4"][0] - ppl2["int4"][0]) < 1e-3,
                    (values["added_ppl"].get("lmdeploy-int4"), ppl2["int4"])),
         "every format added later has its perplexity on both models, and none has a needle verdict on Gemma yet":
@@ -1786,10 +1784,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "the call held on both models' needles and stayed under the perplexity bar on both":
             _claim(call in smol["held"] and call in gemma["held"] and max(ppl2[call]) < PPL_TOLERANCE, (call, ppl2.get(call))),
         "the formats without a needle verdict on both models need no fewer GPUs than the call":
-            _claim(call is not None and all(plans[f] and plans[f]["gpus"] >= plans[call]["gpus"]
+            _claim(call is not None and all(plans[f] is None or plans[f]["gpus"] >= plans[call]["gpus"]
                                             for f in formats if not q[f]["measured"]), values["unmeasured_md"]),
         "q4_0+rotate, added later, is over the 5% bar and under 20% on both models":
-            _claim(PPL_TOLERANCE < max(values["added_ppl"].get("q4_0+rotate") or [1]) < 0.2, values["added_ppl"].get("q4_0+rotate")),
+            _claim(None not in (v := values["added_ppl"].get("q4_0+rotate") or [None]) and PPL_TOLERANCE < max(v) < 0.2, v),
         "the 8-bit formats added later stay under the bar (the bar sits above every 8-bit cache measured)":
             _claim(values["added_8bit_hi"] is not None and max(values["added_8bit_hi"], max(noise)) < PPL_TOLERANCE,
                    values["added_8bit_hi"]),
@@ -1815,7 +1813,7 @@ def _plans_md(plans: dict, by: dict) -> str:
         q = by[f]["quality"]
         if q.get("reference"):
             needle, ppl = "reference (fp32 in chapter 4)", "reference"
-        elif not q["models"]:
+        elif not q.get("models"):
             needle, ppl = "not in the paired sweeps", "—"
         else:  # a model without a needle verdict yet: "not run yet" (a format added to its sweep, perplexity first)
             ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]

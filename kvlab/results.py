@@ -19,7 +19,6 @@ where the two disagree (Fagerland, Lydersen & Laake 2013, *BMC Med Res Methodol*
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,16 @@ PPL_TOLERANCE = 0.05
 # kvlab.tasks.order_lookup); each is paired within its own prompts, "cached" with the "filler" stage's
 STAGES = ("filler", "prose", "cached", "multikey", "orders")
 PPL_STAGE = "perplexity"  # held-out windows: summed NLL per format
+
+
+def outcome_field(stage: str) -> str:
+    """The field of a sweep record that holds each format's outcome: ``"nll"`` for held-out windows, else
+    ``"correct"``."""
+    return "nll" if stage == PPL_STAGE else "correct"
+
+
+class Incomplete(KeyError):
+    """A format added to a sweep later has reached only some of the prompts it is asked about."""
 
 
 def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -259,13 +268,16 @@ class LongSweep:
             if key not in where:
                 raise ValueError(f"{at}: an added record for a prompt the sweep never measured ({key})")
             base = records[where[key]]
-            field = "nll" if r["stage"] == PPL_STAGE else "correct"
+            field = outcome_field(r["stage"])
+            if field == "nll" and r["tokens"] != base["tokens"]:
+                raise ValueError(f"{at}: the added window has {r['tokens']} tokens, the sweep's {base['tokens']}")
             if set(r[field]) & set(base[field]):
                 raise ValueError(f"{at}: formats {sorted(set(r[field]) & set(base[field]))} measured twice on {key}")
             if r.get("key") != base.get("key"):
                 raise ValueError(f"{at}: the added record's pass key {r.get('key')!r} is not the prompt's "
                                  f"{base.get('key')!r}: a different prompt")
-            records[where[key]] = base | {field: base[field] | r[field]}
+            records[where[key]] = base | {field: base[field] | r[field],
+                                          "seconds": base.get("seconds", 0) + r.get("seconds", 0)}
         return cls(header, records)
 
     @staticmethod
@@ -337,7 +349,7 @@ class LongSweep:
         at ``where`` so far: its rate or test would rest on whichever prompts came first."""
         have = sum(fmt in c for c in outcomes)
         if 0 < have < len(outcomes):
-            raise KeyError(f"{fmt!r} has {have} of the {len(outcomes)} prompts at {where} so far (still being swept)")
+            raise Incomplete(f"{fmt!r} has {have} of the {len(outcomes)} prompts at {where} so far (still being swept)")
 
     def _ppl_rows(self, *fmts: str) -> list[dict]:
         rows = [r for r in self.records if r["stage"] == PPL_STAGE]
@@ -425,7 +437,8 @@ class LongSweep:
         keys = [k for k in mine if fmt in mine[k] and k in ref and reference in ref[k]]
         if not keys:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran at {length} tokens in {stage!r}")
-        self._whole(fmt, [c for c in mine.values()], f"{length} tokens in {stage!r}")
+        self._whole(fmt, list(mine.values()), f"{length} tokens in {stage!r}")
+        self._whole(reference, list(ref.values()), f"{length} tokens in {reference_stage!r}")
         a = [mine[k][fmt] for k in keys]
         b = [ref[k][reference] for k in keys]
         return Paired(fmt, reference, len(keys), sum(a), sum(b),
@@ -435,12 +448,17 @@ class LongSweep:
         """``fmt`` against ``reference`` on every prompt of every complete length of ``stage`` (or of each stage
         in a tuple, e.g. both haystacks) at once: the same paired test with more prompts (each prompt is still
         compared with itself), so a loss too small for one length's test can show. Lengths where either did not
-        run are skipped."""
+        run are skipped; a format added later that has reached only some prompts of a length is refused
+        (:class:`Incomplete`), not pooled over the lengths it has finished."""
         parts = []
         for st in (stage,) if isinstance(stage, str) else stage:
             for n in self.lengths(st):
-                with contextlib.suppress(KeyError):
+                try:
                     parts.append(self.paired(st, fmt, n, reference))
+                except Incomplete:
+                    raise
+                except KeyError:
+                    continue
         if not parts:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stage!r}")
         return Paired(fmt, reference, *(sum(getattr(x, a) for x in parts)
@@ -453,8 +471,12 @@ class LongSweep:
         tests = {}
         for st in stages:
             for n in self.lengths(st):
-                with contextlib.suppress(KeyError):
+                try:
                     tests[f"{st} {n}"] = self.paired(st, fmt, n, reference)
+                except Incomplete:
+                    raise
+                except KeyError:
+                    continue
         if not tests:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stages!r}")
         tests["pooled"] = self.paired_pooled(stages, fmt, reference)
@@ -469,7 +491,7 @@ class LongSweep:
     def table(self, stage: str = "filler", reference: str = "fp32") -> list[dict]:
         """One row per (format, length) measured in ``stage``: rate, interval, and the paired verdict."""
         rows = []
-        for fmt in self.formats:
+        for fmt in self.all_formats:  # an added format where it has every prompt
             for n in self.lengths(stage):
                 try:
                     pr = self.paired(stage, fmt, n, reference)
@@ -487,6 +509,8 @@ class LongSweep:
             try:
                 if self.paired(stage, fmt, n, reference).verdict == "worse":
                     return n
+            except Incomplete:
+                raise
             except KeyError:
                 continue
         return None
@@ -532,8 +556,8 @@ def rungs(sweep: LongSweep, stage: str = "filler", reference: str = "fp32",
         if None in verdicts:  # not run here, or (added later) not at every length yet
             continue
         short = verdicts[0]
-        falls = sweep.fails_at(stage, fmt, reference)
         worse_at = [n for n, v in zip(lengths, verdicts) if v == "worse"]
+        falls = worse_at[0] if worse_at else None
         ppl_ok = ppl is not None and ppl <= ppl_tolerance
         rows.append({"kv_format": fmt, "ppl_increase": ppl, "ppl_ok": ppl_ok, "short": lengths[0],
                      "short_verdict": short, "falls_at": falls, "worse_at": worse_at,

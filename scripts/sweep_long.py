@@ -91,14 +91,15 @@ def _resume_lines(path: Path, p) -> list[dict]:
             continue
         try:
             rec = json.loads(x)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # not JSON, too deep, or an integer of thousands of digits
             if i == len(raw) and i > 1 and not text.endswith("\n"):
                 print(f"{path}:{i}: dropping a record cut off mid-write (a run killed while writing it); the "
                       "sweep, or --add-formats if it was an added record, measures that prompt again", flush=True)
                 with path.open("r+b") as f:
                     f.truncate(path.read_bytes().rfind(b"\n") + 1)
                 break
-            p.error(f"{path}:{i} is not a sweep record ({e.msg}); move the file away or fix it")
+            why = getattr(e, "msg", None) or type(e).__name__
+            p.error(f"{path}:{i} is not a sweep record ({why}); move the file away or fix it")
         if isinstance(rec, dict) and i > 1 and rec.get("kind") == "formats" and isinstance(rec.get("formats"), dict):
             lines.append(rec)  # formats added later (--add-formats)
             continue
@@ -147,7 +148,7 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
     from kvlab import evals, tasks
     from kvlab.env import machine as env_machine
     from kvlab.formats import get_format
-    from kvlab.results import LongSweep
+    from kvlab.results import LongSweep, outcome_field
 
     _resume_lines(args.out, p)  # drops a last line cut off mid-write (an interrupted run's)
     try:
@@ -162,9 +163,15 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
     if clash := [n for n in names if n in sweep.formats]:
         p.error(f"--add-formats: {clash} are in the sweep already")
     fmts = [get_format(n) for n in names]
+    for f in fmts:  # added before (a resumed run): the same format, or its records would mix two definitions
+        if f.name in sweep.added_formats:
+            then, now = sweep.format_entry(f.name), _format_entry(f, model.config.head_dim)
+            if any(then.get(k) != now[k] for k in ("bits_per_element", "layer_formats")):
+                p.error(f"--add-formats: {f.name} was added as {then.get('bits_per_element')} bits "
+                        f"{then.get('layer_formats')}, and is {now['bits_per_element']} bits {now['layer_formats']} now")
     new = {f.name: _format_entry(f, model.config.head_dim) for f in fmts if f.name not in sweep.all_formats}
     base = {(r["stage"], r["length"], r["depth"], r["index"]): r for r in sweep.records}
-    field = {k: "nll" if k[0] == "perplexity" else "correct" for k in base}
+    field = {k: outcome_field(k[0]) for k in base}
     order = ["perplexity", "filler", "prose", "multikey", "orders", "cached"]
     todo = sorted((k for k in base if k[0] in args.stages and set(names) - set(base[k][field[k]])
                    and (k[0] == "perplexity" or not args.lengths or k[1] in args.lengths)),
@@ -196,10 +203,10 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
             f.flush()
             os.fsync(f.fileno())
 
-        if new and todo:
-            write({"kind": "formats", "formats": new, "machine": env_machine(torch.get_num_threads()),
+        # the formats line goes in with the first record that passed its check (a refused run writes nothing)
+        pending = {"kind": "formats", "formats": new, "machine": env_machine(torch.get_num_threads()),
                    "torch": torch.__version__, "transformers": transformers.__version__,
-                   "date": time.strftime("%Y-%m-%d")})
+                   "date": time.strftime("%Y-%m-%d")} if new else None
         for key in todo:
             stage, n, d, i = key
             missing = [x for x in fmts if x.name not in base[key][field[key]]]
@@ -220,6 +227,9 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
                     p.error(f"--add-formats: full precision answers {stage} {n} d={d} #{i} differently from the "
                             "sweep: not the same prompt (a changed haystack?); nothing more is added")
                 rec = {"haystack": HAYSTACK[stage], "prefill": MODES[stage]} | out
+            if pending:
+                write(pending)
+                pending = None
             write({"stage": stage, "length": n, "depth": d, "index": i} | rec
                   | {"seconds": round(time.time() - t0, 1), "added": True})
             print(f"added {stage} {n} d={d} #{i}: {time.time() - t0:.1f}s", flush=True)
@@ -246,8 +256,9 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens")
     p.add_argument("--haystack-file", type=Path, default=None,
                    help="a UTF-8 text file to cut the prose haystack from (default: the project's corpus)")
-    p.add_argument("--stages", nargs="+", default=["filler", "perplexity", "prose", "cached", "multikey", "orders"],
-                   choices=["filler", "perplexity", "prose", "cached", "multikey", "orders"])
+    p.add_argument("--stages", nargs="+", default=None, choices=["filler", "perplexity", "prose", "cached", "multikey", "orders"],
+                   help="default: every stage; with --add-formats, perplexity filler prose (the prompt-reads-the-cache "
+                        "stage prefills once per format)")
     p.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens (the held-out text)")
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     p.add_argument("--add-formats", nargs="+", default=None, metavar="FORMAT",
@@ -255,6 +266,8 @@ def main(argv=None):
                         "checked against the stored pass keys) and append them; the stages in --stages, the "
                         "lengths in --lengths if given")
     args = p.parse_args(argv)
+    args.stages = args.stages or (["perplexity", "filler", "prose"] if args.add_formats else
+                                  ["filler", "perplexity", "prose", "cached", "multikey", "orders"])
     try:
         return _main(p, args)
     except KeyboardInterrupt:

@@ -544,6 +544,7 @@ def test_ctrl_c_on_the_cli_exits_130_with_one_line(stub, tmp_path):
     (b"{not json", "something that is not JSON"),
     (b"null", "JSON that is not an object: null"),
     (b'"\\u001b[2J\\u001b[31mPWNED"', r'not an object: "\\u001b\[2J'),  # a terminal's escapes shown, not sent
+    (b'"\\u009b2J"', r'not an object: "\\x9b2J'),  # a C1 control json.dumps leaves as it is: escaped by _printable
     (b'{"choices": [{"text": "1"}], "usage": {"prompt_tokens": NaN}}', None),
 ])
 def test_malformed_answers_are_errors_not_crashes(stub, body, why):

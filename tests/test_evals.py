@@ -231,6 +231,7 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
     r = subprocess.run(cmd[:-1] + [str(moved), "--add-formats", "q4_0", "--stages", "perplexity"], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 2 and "not the same window" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+    assert moved.read_text() == "".join(json.dumps(x) + "\n" for x in recs)  # refused at once: not even a formats line
     short = tmp_path / "short.jsonl"  # a stage whose prompt cannot fit: refused before a header is written
     r = subprocess.run(cmd[:-1] + [str(short), "--stages", "orders", "--lengths", "64"], capture_output=True,
                        text=True, timeout=600)

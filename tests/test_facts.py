@@ -109,7 +109,7 @@ def test_a_format_added_later_counts_in_the_risk_only_once_both_haystacks_are_wh
     prose = [{"stage": "prose", "length": n, "depth": 0.0, "index": i, "key": str(i), "correct": {"fp8_e5m2": i > 0},
               "added": True} for n in (1024, 4096) for i in range(6)]
     p = tmp_path / "s.jsonl"
-    for extra, needle in ((added, None), (added + prose[:6], None), (added + prose, "held")):
+    for extra, needle in ((added, None), (added + prose[:3], None), (added + prose[:6], None), (added + prose, "held")):
         p.write_text("\n".join(json.dumps(x) for x in [head, *recs, *extra]) + "\n")
         sw = LongSweep.load(p)
         own, every = facts._model_facts(sw), facts._model_facts(sw, sw.all_formats)

@@ -214,8 +214,16 @@ def test_formats_added_later_join_their_prompts_and_count_only_once_whole(tmp_pa
     done = [_rec("filler", 2048, 0.0, i, fp8_e5m2=True) | {"key": f"k{i}", "added": True} for i in range(3, 6)]
     whole = R.LongSweep.load(_write(tmp_path, recs + [added] + more + done, header))
     assert [r["kv_format"] for r in R.rungs(whole, formats=whole.all_formats)] == ["int4", "fp8_e5m2"]
+    assert {r["kv_format"] for r in whole.table()} == {"fp32", "int4", "fp8_e5m2"}  # figures reach an added format once whole
+    assert whole.paired_pooled("filler", "fp8_e5m2").prompts == 12
     with pytest.raises(KeyError, match="2 of the 3 prompts at the perplexity windows"):
         s.paired_perplexity("fp8_e5m2")
+    with pytest.raises(R.Incomplete, match="3 of the 6 prompts at 2048"):  # not pooled over the length it finished
+        s.paired_pooled("filler", "fp8_e5m2")
+    with pytest.raises(R.Incomplete):
+        s.needle_tests("fp8_e5m2", ("filler",))
+    with pytest.raises(R.Incomplete, match="fp8_e5m2"):  # a partial format as the reference is refused too
+        s.paired("filler", "int4", 2048, reference="fp8_e5m2")
     s2 = R.LongSweep.load(_write(tmp_path, recs + [added] + more + [_ppl(2, fp8_e5m2=20.5) | {"added": True}], header))
     assert s2.paired_perplexity("fp8_e5m2")["windows"] == 3 and s2.perplexity("int4") == pytest.approx(math.exp(2.1))
     for bad, msg in (([added, _rec("filler", 4096, 0.0, 0, fp8_e5m2=True) | {"added": True}], "never measured"),
