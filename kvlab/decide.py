@@ -252,6 +252,25 @@ def switch_md(row: dict, baseline: str = "bf16") -> str:
         f"    --tokenizer YOUR/MODEL {row['eval_args']} --out {name}-vs-{baseline}.json\n```")
 
 
+_NOT_RUN = {"held": False, "needle": None, "ppl_increase": None}  # a model without a verdict on the format yet
+
+
+def risk_models(rows) -> list[str]:
+    """The models of the rows' risk columns, in the order they first appear (a format added to the sweeps later
+    may have only some of them)."""
+    return list(dict.fromkeys(m for r in rows for m in r["quality"].get("models", {})))
+
+
+def per_model(quality: dict, models: list[str]) -> list[dict]:
+    """A row's quality on each of ``models``; a model without any verdict on it yet reads as not run."""
+    return [quality["models"].get(m, _NOT_RUN) for m in models]
+
+
+def short_needle(label: str | None) -> str:
+    """A needle verdict as a table cell: "worse pooled (−6 +0)" -> "worse pooled"; None -> "not run yet"."""
+    return "not run yet" if label is None else label.split(" (")[0]
+
+
 def pct(x: float) -> str:
     """A perplexity change as a table shows it: "+0.4%", and "±0.0%" for a change that rounds to zero."""
     t = f"{x:+.1%}"
@@ -266,7 +285,7 @@ def short_model_name(name: str) -> str:
 def markdown(rows: list[dict], quality: bool = True) -> str:
     """The decision table as Markdown (numbers rounded for reading); ``quality=False`` leaves out the risk columns
     (chapter 4's paired needle verdict and perplexity change, one value per model, in the models' order)."""
-    models = list(dict.fromkeys(m for r in rows for m in r["quality"].get("models", {})))
+    models = risk_models(rows)
     quality = quality and bool(models)
     head = "| format | bits | whole load's cache | load fits one GPU | most sequences | step | tokens/s | vs first |"
     rule = "|---|---:|---:|---|---:|---:|---:|---:|"
@@ -287,7 +306,7 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
             elif not q.get("models"):
                 line += " not measured | — |"
             else:
-                ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]
+                ms = per_model(q, models)
                 line += (" " + " · ".join("not run yet" if x["needle"] is None else "yes" if x["held"] else "**no**"
                                           for x in ms) + " | "
                          + " · ".join(pct(x["ppl_increase"]) if x["ppl_increase"] is not None else "—" for x in ms) + " |")

@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable
 
 from .decide import pct as _pct
-from .decide import short_model_name
+from .decide import per_model, risk_models, short_model_name, short_needle
 from .results import PPL_TOLERANCE
 
 LADDER_PPL_WINDOWS = 4  # held-out windows the ladder sweep's perplexity read (scripts/sweep_evals.py)
@@ -418,6 +418,27 @@ def shipped_perplexity(formats: list[str], reference: str = "fp32", sweeps: dict
             except KeyError:
                 continue
     return out
+
+
+def format_costs(sweeps: dict | None = None) -> Facts:
+    """Chapter 2's shipped numbers (its other numbers it measures live): what FP8 E5M2 and NVFP4 cost on held-out
+    text in chapter 4's paired sweeps, beside E4M3, ``int4``, ``q4_0`` and llama.cpp's rotated ``q4_0``."""
+    from .results import LONG_SWEEPS, PPL_TOLERANCE, LongSweep
+
+    sweeps = sweeps or {m: LongSweep.load(p) for m, p in LONG_SWEEPS.items()}
+    ppl = shipped_perplexity(["fp8_e4m3", "fp8_e5m2", "nvfp4", "int4", "q4_0", "q4_0+rotate"], sweeps=sweeps)
+    e5 = shipped_perplexity(["fp8_e5m2"], reference="fp8_e4m3", sweeps=sweeps)["fp8_e5m2"]  # passage by passage
+    nv = {b: shipped_perplexity(["nvfp4"], reference=b, sweeps=sweeps)["nvfp4"] for b in ("int4", "q4_0")}
+    models = ("SmolLM2", "Gemma")
+    return Facts({"ppl": ppl, "e5": e5, "nv": nv}, {
+        "on held-out text E5M2 is worse than E4M3 on both models (paired)":
+            _claim(len(e5) == 2 and all(r["verdict"] == "worse" for r in e5.values()), e5),
+        "NVFP4 beats int4 on both models and q4_0 on Gemma; on SmolLM2 the test cannot tell it from q4_0":
+            _claim([nv["int4"].get(m, {}).get("verdict") for m in models] == ["better"] * 2
+                   and [nv["q4_0"].get(m, {}).get("verdict") for m in models] == ["not distinguishable", "better"], nv),
+        "NVFP4 still costs over 5% perplexity on both models":
+            _claim(all(m in ppl["nvfp4"] and ppl["nvfp4"][m]["increase"] > PPL_TOLERANCE for m in models), ppl["nvfp4"]),
+    })
 
 
 SINGLE_NEEDLE = ("filler", "prose")  # the stages whose prompts hold one passkey: pooled together for 4.1's verdict
@@ -1493,6 +1514,16 @@ CH6_LADDER_PROMPTS = 50  # prompts a server in the endpoint ladder of 6.4
 CH6_OTHER_BARS = (0.10, 0.20, float("inf"))  # looser perplexity bars than PPL_TOLERANCE, and none
 
 
+def _rotation_ppl(sweeps: dict) -> dict[str, dict]:
+    """``{model: {"q4_0": row, "q4_0+rotate": row, "vs q4_0": row}}``: llama.cpp's blocks without and with the
+    rotation llama.cpp adds by default, each against full precision and the two against each other, on the same
+    held-out passages (:func:`shipped_perplexity`; a model where either has not read every passage is left out)."""
+    plain = shipped_perplexity(["q4_0", "q4_0+rotate"], sweeps=sweeps)
+    vs = shipped_perplexity(["q4_0+rotate"], reference="q4_0", sweeps=sweeps)["q4_0+rotate"]
+    return {m: {"q4_0": plain["q4_0"][m], "q4_0+rotate": plain["q4_0+rotate"][m], "vs q4_0": vs[m]}
+            for m in vs if m in plain["q4_0"] and m in plain["q4_0+rotate"]}
+
+
 def _offered_md(fmt: str) -> str:
     """The engines that store ``fmt`` exactly, else those whose default is near it (llama.cpp's rotated blocks)."""
     from .formats import engine_nearest, engines_offering
@@ -1511,7 +1542,7 @@ def _added_md(added: list[str], mfs: list[dict]) -> str:
     rows = [f"| format | offered by | perplexity ({who}) | needle, paired ({who}) |", "|---|---|---|---|"]
     for f in added:
         ppl = " · ".join(_pct(mf["ppl"][f]) if f in mf["ppl"] else "—" for mf in mfs)
-        needle = " · ".join(needle_label(mf, f).split(" (")[0] if f in mf["by"] else "not run yet" for mf in mfs)
+        needle = " · ".join(short_needle(needle_label(mf, f) if f in mf["by"] else None) for mf in mfs)
         rows.append(f"| `{f}` | {_offered_md(f)} | {ppl} | {needle} |")
     return "\n".join(rows)
 
@@ -1532,11 +1563,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     from .results import (
         LONG_SWEEPS,
         PPL_TOLERANCE,
-        ROTATION_PPLS,
         LongSweep,
         exact_upper,
         fewest_prompts_to_detect,
-        rotation_ppl,
         wilson,
     )
     from .roofline import MBU, MFU
@@ -1643,12 +1672,13 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
                                       f"{short_model_name(mf['name'])}" for mf in (smol, gemma)) if call else "—",
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
-        # llama.cpp's default q4_0 rotates first: kvlab's q4_0+rotate on each model's passages (scripts/rotation_ppl.py)
-        "rots": (rots := {m: r for m, path in ROTATION_PPLS.items() if (r := rotation_ppl(path))}),
+        # llama.cpp's default q4_0 rotates first: kvlab's q4_0+rotate on each model's held-out passages, against
+        # full precision and against q4_0 (the sweeps' added formats)
+        "rots": (rots := _rotation_ppl(sweeps)),
         "rot_md": "; ".join(
-            f"on {short_model_name(CH4_NAMES[m])}'s {r['q4_0']['windows']} passages kvlab's `q4_0+rotate` costs "
+            f"on {m}'s {r['q4_0']['windows']} passages kvlab's `q4_0+rotate` costs "
             f"{r['q4_0+rotate']['increase']:+.1%} perplexity against `q4_0`'s {r['q4_0']['increase']:+.1%} (lower on "
-            f"{r['q4_0+rotate vs q4_0']['better_windows']} of {r['q4_0']['windows']} passages), "
+            f"{r['vs q4_0']['better_windows']} of {r['q4_0']['windows']} passages), "
             f"{'under' if r['q4_0+rotate']['increase'] < PPL_TOLERANCE else 'still over'} the {PPL_TOLERANCE:.0%} bar"
             for m, r in rots.items()) or "not measured",
         # vLLM 0.26's int4_per_token_head: nearest kvlab format int4_token+rotate (kvlab formats --engines)
@@ -1672,6 +1702,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                                          if not all(f in mf["by"] for f in added)) or "no model's",
         "added_4bit_md": names_md([f for f in added if _low_bit(f)]),
         "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
+        "s_head_dim": CH4_HEAD_DIM["smollm2-135m"],
+        "head_ratio": CH4_HEAD_DIM["gemma3-270m"] // CH4_HEAD_DIM["smollm2-135m"],
     }
     claims = {
         "BF16 cannot hold the requested load on one GPU": _claim(not bf["fits"]),
@@ -1725,13 +1757,13 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "INT4 with one scale per tensor is not on the shortlist": _claim("int4_tensor" not in picks),
         "with the rotation llama.cpp adds, q4_0 falls under the perplexity bar on SmolLM2, lower on every passage (paired), "
         "but not distinguishably on Gemma, still over the bar there":
-            _claim(set(rots) == {"smollm2-135m", "gemma3-270m"}
-                   and rots["smollm2-135m"]["q4_0+rotate"]["increase"] < PPL_TOLERANCE < rots["smollm2-135m"]["q4_0"]["increase"]
-                   and rots["smollm2-135m"]["q4_0+rotate vs q4_0"]["verdict"] == "better"
-                   and rots["smollm2-135m"]["q4_0+rotate vs q4_0"]["better_windows"] == rots["smollm2-135m"]["q4_0"]["windows"]
-                   and rots["gemma3-270m"]["q4_0+rotate vs q4_0"]["verdict"] == "not distinguishable"
-                   and rots["gemma3-270m"]["q4_0+rotate"]["increase"] > PPL_TOLERANCE,
-                   {m: (r["q4_0"]["increase"], r["q4_0+rotate"]["increase"], r["q4_0+rotate vs q4_0"]["verdict"])
+            _claim(set(rots) == {"SmolLM2", "Gemma"}
+                   and rots["SmolLM2"]["q4_0+rotate"]["increase"] < PPL_TOLERANCE < rots["SmolLM2"]["q4_0"]["increase"]
+                   and rots["SmolLM2"]["vs q4_0"]["verdict"] == "better"
+                   and rots["SmolLM2"]["vs q4_0"]["better_windows"] == rots["SmolLM2"]["q4_0"]["windows"]
+                   and rots["Gemma"]["vs q4_0"]["verdict"] == "not distinguishable"
+                   and rots["Gemma"]["q4_0+rotate"]["increase"] > PPL_TOLERANCE,
+                   {m: (r["q4_0"]["increase"], r["q4_0+rotate"]["increase"], r["vs q4_0"]["verdict"])
                     for m, r in rots.items()}),
         "the nearest kvlab format to vLLM's INT4 cache held on SmolLM2, was worse on Gemma and missed the bar on both":
             _claim(values["vllm_int4_near"] == "int4_token+rotate" and values["s_vllm_int4"] == "held"
@@ -1805,7 +1837,7 @@ def _layout(p: dict) -> str:
 def _plans_md(plans: dict, by: dict) -> str:
     """The configuration table of chapter 6: fewest GPUs per format, throughput, cost, measured risk on each of
     chapter 4's models (paired needle verdict, perplexity change), the engines that offer it."""
-    models = list(dict.fromkeys(m for r in by.values() for m in r["quality"].get("models", {})))
+    models = risk_models(by.values())
     who = " · ".join(short_model_name(m) for m in models)
     rows = [f"| format | GPUs | layout | spare | tokens/s | $ / M tokens | needle, paired ({who}) | perplexity ({who}) "
             "| offered by |", "|---|---:|---|---:|---:|---:|---|---|---|"]
@@ -1816,9 +1848,8 @@ def _plans_md(plans: dict, by: dict) -> str:
         elif not q.get("models"):
             needle, ppl = "not in the paired sweeps", "—"
         else:  # a model without a needle verdict yet: "not run yet" (a format added to its sweep, perplexity first)
-            ms = [q["models"].get(m, {"needle": None, "ppl_increase": None}) for m in models]
-            needle = " · ".join("not run yet" if x["needle"] is None else x["needle"].split(" (")[0]  # counts in 6.4
-                                for x in ms)
+            ms = per_model(q, models)
+            needle = " · ".join(short_needle(x["needle"]) for x in ms)  # the counts are in 6.4
             ppl = " · ".join(_pct(x["ppl_increase"]) if x["ppl_increase"] is not None else "—" for x in ms)
         offered = ", ".join(by[f]["engines"]) or "no engine"
         if p is None:

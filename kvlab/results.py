@@ -188,25 +188,6 @@ def paired_nll(nll: list[float], ref_nll: list[float], tokens: list[int]) -> dic
             "worse_windows": worse, "better_windows": better, "p": mcnemar(worse, better), "verdict": verdict(worse, better)}
 
 
-ROTATION_PPLS = {"smollm2-135m": RESULTS_DIR / "rotation_ppl.json", "gemma3-270m": RESULTS_DIR / "rotation_ppl_gemma3.json"}
-
-
-def rotation_ppl(path: str | Path) -> dict:
-    """``scripts/rotation_ppl.py``'s result (one per model: :data:`ROTATION_PPLS`): each format against the first
-    (full precision) on the same passages, and each ``X+rotate`` against its ``X`` (``"X+rotate vs X"``), by
-    :func:`paired_nll`. Empty when not shipped."""
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    doc = json.loads(path.read_text())
-    nll, tokens, ref = doc["nll"], doc["tokens"], doc["formats"][0]
-    out = {f: paired_nll(nll[f], nll[ref], tokens) for f in doc["formats"][1:]}
-    for f in doc["formats"]:
-        if f.endswith("+rotate") and f.removesuffix("+rotate") in nll:
-            out[f"{f} vs {f.removesuffix('+rotate')}"] = paired_nll(nll[f], nll[f.removesuffix("+rotate")], tokens)
-    return out
-
-
 class LongSweep:
     """The long-context sweep (``scripts/sweep_long.py``): one record per prompt, every format's outcome.
 
@@ -444,6 +425,16 @@ class LongSweep:
         return Paired(fmt, reference, len(keys), sum(a), sum(b),
                       lost=sum(y and not x for x, y in zip(a, b)), gained=sum(x and not y for x, y in zip(a, b)))
 
+    def _paired_if_run(self, stage: str, fmt: str, length: int, reference: str) -> Paired | None:
+        """:meth:`paired`, or None where the two did not both run; a format still being added (:class:`Incomplete`)
+        is not "did not run": that error goes on, so no pooled or per-length verdict rests on part of a length."""
+        try:
+            return self.paired(stage, fmt, length, reference)
+        except Incomplete:
+            raise
+        except KeyError:
+            return None
+
     def paired_pooled(self, stage: str | tuple[str, ...], fmt: str, reference: str = "fp32") -> Paired:
         """``fmt`` against ``reference`` on every prompt of every complete length of ``stage`` (or of each stage
         in a tuple, e.g. both haystacks) at once: the same paired test with more prompts (each prompt is still
@@ -453,12 +444,8 @@ class LongSweep:
         parts = []
         for st in (stage,) if isinstance(stage, str) else stage:
             for n in self.lengths(st):
-                try:
-                    parts.append(self.paired(st, fmt, n, reference))
-                except Incomplete:
-                    raise
-                except KeyError:
-                    continue
+                if (pr := self._paired_if_run(st, fmt, n, reference)) is not None:
+                    parts.append(pr)
         if not parts:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stage!r}")
         return Paired(fmt, reference, *(sum(getattr(x, a) for x in parts)
@@ -471,12 +458,8 @@ class LongSweep:
         tests = {}
         for st in stages:
             for n in self.lengths(st):
-                try:
-                    tests[f"{st} {n}"] = self.paired(st, fmt, n, reference)
-                except Incomplete:
-                    raise
-                except KeyError:
-                    continue
+                if (pr := self._paired_if_run(st, fmt, n, reference)) is not None:
+                    tests[f"{st} {n}"] = pr
         if not tests:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stages!r}")
         tests["pooled"] = self.paired_pooled(stages, fmt, reference)
@@ -506,13 +489,8 @@ class LongSweep:
     def fails_at(self, stage: str, fmt: str, reference: str = "fp32") -> int | None:
         """The shortest length at which ``fmt`` is ``"worse"`` than ``reference`` (None: at no length measured)."""
         for n in self.lengths(stage):
-            try:
-                if self.paired(stage, fmt, n, reference).verdict == "worse":
-                    return n
-            except Incomplete:
-                raise
-            except KeyError:
-                continue
+            if (pr := self._paired_if_run(stage, fmt, n, reference)) is not None and pr.verdict == "worse":
+                return n
         return None
 
     def figure(self, stage: str = "filler", formats: list[str] | None = None, reference: str = "fp32"):

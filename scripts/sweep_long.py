@@ -127,6 +127,49 @@ def _format_entry(f, head_dim: int) -> dict:
     return {"source": f.source, "bits_per_element": f.bits_per_element(head_dim), "layer_formats": f.layer_names}
 
 
+def _definition(entry: dict) -> tuple:
+    """What must not change between two runs that write one format's records: its bits and per-layer formats."""
+    return entry.get("bits_per_element"), entry.get("layer_formats")
+
+
+def _provenance() -> dict:
+    """Where and with what a run measured (every header and formats line records it)."""
+    import torch
+    import transformers
+
+    from kvlab.env import machine
+
+    return {"machine": machine(torch.get_num_threads()), "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def _append(f, rec: dict) -> None:
+    """One record, on disk before the next is measured (a run killed later loses nothing written)."""
+    f.write(json.dumps(rec, allow_nan=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _windows(tok, quick: bool, count: int):
+    from kvlab import evals
+
+    return evals.perplexity_windows(tok, window=128 if quick else 512, max_windows=count)
+
+
+def _window_record(model, x, i: int, fmts) -> dict:
+    """Held-out window ``i`` (token ids ``x``) read by every format of ``fmts``, each token reading its cache:
+    the summed negative log-likelihood per format."""
+    from kvlab import evals
+
+    return {"stage": "perplexity", "haystack": "heldout", "prefill": "cached", "length": x.shape[1], "depth": 0.0,
+            "index": i, "tokens": x.shape[1] - 1, "nll": {f.name: round(evals.window_nll(model, x, f), 4) for f in fmts}}
+
+
+def _needle_head(stage: str, n: int, d: float, i: int) -> dict:
+    """The fields that name one passkey prompt of a stage."""
+    return {"stage": stage, "haystack": HAYSTACK[stage], "prefill": MODES[stage], "length": n, "depth": float(d), "index": i}
+
+
 REFERENCE_TOLERANCE = 1e-3  # relative: full precision's NLL on a held-out window, then and now (a thread count or
 # library change moves it by about 1e-5; a different window by far more than 1e-3)
 
@@ -142,11 +185,7 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
     marked ``"added"`` per prompt, as it goes; run again to resume. The stages in ``--stages`` (and the lengths in
     ``--lengths``, if given) are measured, held-out perplexity first, then by length. (The prompt-reads-the-cache
     stage has no full-precision answers of its own: its prompts are the filler stage's, checked there.)"""
-    import torch
-    import transformers
-
-    from kvlab import evals, tasks
-    from kvlab.env import machine as env_machine
+    from kvlab import tasks
     from kvlab.formats import get_format
     from kvlab.results import LongSweep, outcome_field
 
@@ -165,10 +204,9 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
     fmts = [get_format(n) for n in names]
     for f in fmts:  # added before (a resumed run): the same format, or its records would mix two definitions
         if f.name in sweep.added_formats:
-            then, now = sweep.format_entry(f.name), _format_entry(f, model.config.head_dim)
-            if any(then.get(k) != now[k] for k in ("bits_per_element", "layer_formats")):
-                p.error(f"--add-formats: {f.name} was added as {then.get('bits_per_element')} bits "
-                        f"{then.get('layer_formats')}, and is {now['bits_per_element']} bits {now['layer_formats']} now")
+            then, now = _definition(sweep.format_entry(f.name)), _definition(_format_entry(f, model.config.head_dim))
+            if then != now:
+                p.error(f"--add-formats: {f.name} was added as {then[0]} bits {then[1]}, and is {now[0]} bits {now[1]} now")
     new = {f.name: _format_entry(f, model.config.head_dim) for f in fmts if f.name not in sweep.all_formats}
     base = {(r["stage"], r["length"], r["depth"], r["index"]): r for r in sweep.records}
     field = {k: outcome_field(k[0]) for k in base}
@@ -181,7 +219,7 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
     wins, exs = None, {}
     if any(k[0] == "perplexity" for k in todo):
         count = 1 + max(k[3] for k in base if k[0] == "perplexity")
-        wins = evals.perplexity_windows(tok, window=128 if args.quick else 512, max_windows=count)
+        wins = _windows(tok, args.quick, count)
     for stage, n, d, i in todo:
         if stage == "perplexity":
             if i >= len(wins) or wins[i].shape[1] != n:
@@ -198,27 +236,18 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
                     "the prompts changed (tokenizer, corpus or prompt code)")
     ref = get_format("fp32")
     with args.out.open("a") as f:
-        def write(rec):
-            f.write(json.dumps(rec, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
         # the formats line goes in with the first record that passed its check (a refused run writes nothing)
-        pending = {"kind": "formats", "formats": new, "machine": env_machine(torch.get_num_threads()),
-                   "torch": torch.__version__, "transformers": transformers.__version__,
-                   "date": time.strftime("%Y-%m-%d")} if new else None
+        pending = {"kind": "formats", "formats": new} | _provenance() if new else None
         for key in todo:
             stage, n, d, i = key
             missing = [x for x in fmts if x.name not in base[key][field[key]]]
             t0 = time.time()
             if stage == "perplexity":
-                nll = {x.name: round(evals.window_nll(model, wins[i], x), 4) for x in [ref, *missing]}
-                then = base[key]["nll"]["fp32"]
-                if abs(nll["fp32"] - then) > REFERENCE_TOLERANCE * then:
-                    p.error(f"--add-formats: full precision reads held-out window #{i} as {nll['fp32']} nats now, "
+                rec = _window_record(model, wins[i], i, [ref, *missing])
+                now, then = rec["nll"].pop("fp32"), base[key]["nll"]["fp32"]
+                if abs(now - then) > REFERENCE_TOLERANCE * then:
+                    p.error(f"--add-formats: full precision reads held-out window #{i} as {now} nats now, "
                             f"{then} in the sweep: not the same window; nothing more is added")
-                rec = {"haystack": "heldout", "prefill": "cached", "tokens": n - 1,
-                       "nll": {k: v for k, v in nll.items() if k != "fp32"}}
             else:
                 ex = exs[(stage, n, d)][i]
                 check = MODES[stage] == "full"  # full precision decodes from the same prefill: one more decode
@@ -226,12 +255,11 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
                 if check and out["correct"].pop("fp32") != base[key]["correct"]["fp32"]:
                     p.error(f"--add-formats: full precision answers {stage} {n} d={d} #{i} differently from the "
                             "sweep: not the same prompt (a changed haystack?); nothing more is added")
-                rec = {"haystack": HAYSTACK[stage], "prefill": MODES[stage]} | out
+                rec = _needle_head(stage, n, d, i) | out
             if pending:
-                write(pending)
+                _append(f, pending)
                 pending = None
-            write({"stage": stage, "length": n, "depth": d, "index": i} | rec
-                  | {"seconds": round(time.time() - t0, 1), "added": True})
+            _append(f, rec | {"seconds": round(time.time() - t0, 1), "added": True})
             print(f"added {stage} {n} d={d} #{i}: {time.time() - t0:.1f}s", flush=True)
 
 
@@ -306,11 +334,7 @@ def _main(p, args):
         except ValueError as e:
             p.error(str(e))
 
-    import torch
-    import transformers
-
-    from kvlab import evals, tasks
-    from kvlab.env import machine as env_machine
+    from kvlab import tasks
     from kvlab.models import load_model
 
     lengths = args.lengths or ([] if args.add_formats else [256, 1024] if args.quick else LENGTHS)
@@ -339,8 +363,8 @@ def _main(p, args):
     if args.out.exists() and args.out.stat().st_size:
         lines = _resume_lines(args.out, p)
         old = lines[0]
-        same = {n: (v["bits_per_element"], v["layer_formats"]) for n, v in header["formats"].items()} == \
-            {n: (v["bits_per_element"], v["layer_formats"]) for n, v in old.get("formats", {}).items()}
+        same = {n: _definition(v) for n, v in header["formats"].items()} == \
+            {n: _definition(v) for n, v in old.get("formats", {}).items()}
         if not same or any(old.get(k) != header[k] for k in ("model", "depths", "per_depth", "haystacks")):
             p.error(f"{args.out} holds a different sweep (model, depths, formats or haystack); move it away first")
         done = {(r["stage"], r["length"], r["depth"], r["index"]) for r in lines[1:] if "stage" in r}
@@ -351,31 +375,19 @@ def _main(p, args):
             prompt_maker(stage, hay)(tok, n, 0.5, random.Random(0))
         except ValueError as e:
             p.error(f"--lengths: the {stage} stage cannot use {n} tokens: {e}")
-    machine = env_machine(torch.get_num_threads())
     with args.out.open("a") as f:
-        def write(rec):
-            f.write(json.dumps(rec, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
         if not done and args.out.stat().st_size == 0:
-            write(header | {"machine": machine, "torch": torch.__version__,
-                            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")})
+            _append(f, header | _provenance())
         plan = plan_of(args, lengths)
         # "cached" prefills once per format: only CACHED there (fp32 reads the same prompts in "filler")
         per_stage = {"filler": fmts, "prose": fmts, "multikey": fmts, "orders": fmts,
                      "cached": fmts[1:] if args.quick else [f for f in fmts if f.name in CACHED]}
         if "perplexity" in args.stages:  # every format on identical held-out windows, each token reading the cache
-            wins = evals.perplexity_windows(tok, window=128 if args.quick else 512,
-                                            max_windows=2 if args.quick else args.windows)
-            for i, x in enumerate(wins):
+            for i, x in enumerate(_windows(tok, args.quick, 2 if args.quick else args.windows)):
                 if ("perplexity", x.shape[1], 0.0, i) in done:
                     continue
                 t0 = time.time()
-                nll = {f.name: round(evals.window_nll(model, x, f), 4) for f in fmts}
-                write({"stage": "perplexity", "haystack": "heldout", "prefill": "cached", "length": x.shape[1],
-                       "depth": 0.0, "index": i, "tokens": x.shape[1] - 1, "nll": nll,
-                       "seconds": round(time.time() - t0, 1)})
+                _append(f, _window_record(model, x, i, fmts) | {"seconds": round(time.time() - t0, 1)})
                 print(f"perplexity window #{i}: {time.time() - t0:.1f}s", flush=True)
         for stage, n in plan:
             make = prompt_maker(stage, hay)
@@ -386,14 +398,13 @@ def _main(p, args):
                 exs = tasks.sweep_prompts(make, tok, n, d, per_depth, seed=SEEDS[stage])
                 for i in todo:
                     t0 = time.time()
-                    rec = _answer(model, exs[i], per_stage[stage], stage, args.chunk)
-                    rec = {"stage": stage, "haystack": HAYSTACK[stage], "prefill": MODES[stage], "length": n,
-                           "depth": float(d), "index": i} | rec | {"seconds": round(time.time() - t0, 1)}
+                    rec = _needle_head(stage, n, d, i) | _answer(model, exs[i], per_stage[stage], stage, args.chunk)
+                    rec["seconds"] = round(time.time() - t0, 1)
                     if stage == "multikey":
                         rec["keys"] = tasks.MULTIKEY_KEYS
                     if stage == "orders":
                         rec["records"] = tasks.ORDER_RECORDS
-                    write(rec)
+                    _append(f, rec)
                     correct = rec["correct"]
                     ok = sum(correct.values())
                     print(f"{stage} {n} d={d} #{i}: {ok}/{len(correct)} formats right, {rec['seconds']}s", flush=True)

@@ -87,6 +87,13 @@ def test_a_mitigation_is_tested_against_its_base_on_the_same_prompts(tmp_path):
     assert vs["kivi-2+rotate"]["verdict"] == "not distinguishable"
 
 
+def test_chapter_2s_shipped_costs_hold():
+    """Chapter 2 measures its errors live; what E5M2 and NVFP4 cost on held-out text it reads from chapter 4's sweeps."""
+    C = facts.format_costs()
+    assert len(C.claims) == 3 and C.failed() == {}
+    assert set(C["ppl"]["nvfp4"]) == {"SmolLM2", "Gemma"}
+
+
 def test_a_format_added_later_counts_in_the_risk_only_once_both_haystacks_are_whole(tmp_path):
     """Chapter 6's risk reads formats added to a sweep later (--add-formats): their perplexity as soon as every
     held-out window is in, their needle verdict only once every length of both haystacks is; chapter 4's lists

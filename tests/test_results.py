@@ -489,21 +489,13 @@ def test_a_sweeps_needle_tests_are_each_length_of_each_haystack_and_pooled(tmp_p
         s.needle_tests("int4", stages=("prose",))
 
 
-def test_paired_nll_and_the_rotation_result(tmp_path):
-    import json
+def test_paired_nll_pairs_windows_and_refuses_unequal_lists():
     import math
 
-    from kvlab.results import paired_nll, rotation_ppl
+    from kvlab.results import paired_nll
 
     r = paired_nll([11.0, 12.0, 9.0], [10.0, 10.0, 10.0], [10, 10, 10])
     assert (r["worse_windows"], r["better_windows"], r["windows"], r["tokens"]) == (2, 1, 3, 30)
     assert r["increase"] == pytest.approx(math.exp(32 / 30) / math.exp(1) - 1)
     with pytest.raises(ValueError, match="one NLL per window"):
         paired_nll([1.0], [1.0, 2.0], [5])
-    doc = {"model": "m", "date": "d", "machine": "x", "seconds": 1, "formats": ["fp32", "q4_0", "q4_0+rotate"],
-           "tokens": [100] * 8, "nll": {"fp32": [100.0] * 8, "q4_0": [110.0] * 8, "q4_0+rotate": [104.0] * 8}}
-    (tmp_path / "r.json").write_text(json.dumps(doc))
-    out = rotation_ppl(tmp_path / "r.json")
-    assert out["q4_0"]["increase"] > out["q4_0+rotate"]["increase"] > 0
-    assert out["q4_0+rotate vs q4_0"]["better_windows"] == 8 and out["q4_0+rotate vs q4_0"]["verdict"] == "better"
-    assert rotation_ppl(tmp_path / "missing.json") == {}
