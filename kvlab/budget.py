@@ -508,10 +508,13 @@ def hourly_price(gpu, usd: float | None = None) -> float:
         raise ValueError(f"gpu_hour_usd must be a positive finite number of dollars, got {usd!r}")
     if usd > MAX_HOURLY_USD:  # costs multiply it by hours and GPUs: past this they overflow to inf
         raise ValueError(f"gpu_hour_usd must be at most ${MAX_HOURLY_USD:,.0f} per GPU-hour, got {usd!r}")
+    if usd < MIN_HOURLY_USD:  # costs divide it by millions of tokens: far below this they round to $0
+        raise ValueError(f"gpu_hour_usd must be at least ${MIN_HOURLY_USD:g} per GPU-hour, got {usd!r}")
     return float(usd)
 
 
 MAX_HOURLY_USD = 1e6  # a thousand times any listed rate
+MIN_HOURLY_USD = 1e-3  # a tenth of a cent: below any rental price, and above where a cost per token underflows
 
 
 def weights_bytes(model, weights_dtype: str = "bf16") -> int:

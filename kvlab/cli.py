@@ -29,11 +29,15 @@ from .formats import format_names, get_format
 from .paths import WriteError, out_problem, read_text, shown_path
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump, no value echoed at full length
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump, no value echoed at full length), named by the
+    program: the kvlab CLI's and the scripts' (``--help`` still shows the usage)."""
+
+    def error(self, message):
         if "expected one argument" in message:  # "--batch -inf": argparse took "-inf" for an option
             message += " (a value that starts with '-' goes as --flag=VALUE)"
-        self.exit(2, "kvlab: error: " + re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message) + "\n")
+        prog = self.prog.split()[0]  # a subcommand's errors are the program's
+        self.exit(2, f"{prog}: error: " + re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message) + "\n")
 
 
 MAX_LENGTH = 1 << 20  # tokens in one prompt: past every model here (a larger one would only exhaust memory)
@@ -77,6 +81,11 @@ def _int(minimum, maximum=None):
     return parse
 
 
+def _rounds_to_zero(s: str, v: float) -> str:
+    """' (it rounds to 0)' when ``s`` names a nonzero number that float() reads as 0 (1e-400), else ''."""
+    return " (it rounds to 0)" if v == 0 and any(c in "123456789" for c in s.lower().split("e")[0]) else ""
+
+
 def _fraction(text):
     s = _number_text(text, "a number")
     try:
@@ -84,7 +93,7 @@ def _fraction(text):
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
     if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}{_rounds_to_zero(s, v)}")
     return v
 
 
@@ -590,19 +599,19 @@ def _positive_float(text):
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
     if not (v > 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}{_rounds_to_zero(s, v)}")
     return v
 
 
 def _price(text):
     """--gpu-hour-usd: a positive number of dollars, at most :data:`kvlab.budget.MAX_HOURLY_USD` (checked here, not
     after a long simulation)."""
-    from .budget import MAX_HOURLY_USD
+    from .budget import MAX_HOURLY_USD, MIN_HOURLY_USD
 
     v = _positive_float(text)
-    if v > MAX_HOURLY_USD:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_HOURLY_USD:,.0f} dollars per GPU-hour, got "
-                                         f"{_shown(text.strip())}")
+    if not MIN_HOURLY_USD <= v <= MAX_HOURLY_USD:
+        raise argparse.ArgumentTypeError(f"must be from {MIN_HOURLY_USD:g} to {MAX_HOURLY_USD:,.0f} dollars per "
+                                         f"GPU-hour, got {_shown(text.strip())}")
     return v
 
 
@@ -621,9 +630,7 @@ def _seconds(allow_zero: bool):
 
         if not (0 <= v <= MAX_TIMEOUT_S) or (v == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'} and at most "
-                                             f"{MAX_TIMEOUT_S:g} seconds (a day), got {s}"
-                                             + (" (it rounds to 0)" if v == 0 and any(c in "123456789" for c in
-                                                                                      s.lower().split("e")[0]) else ""))
+                                             f"{MAX_TIMEOUT_S:g} seconds (a day), got {s}{_rounds_to_zero(s, v)}")
         if not allow_zero and v < MIN_TIMEOUT_S:
             raise argparse.ArgumentTypeError(f"must be at least {MIN_TIMEOUT_S:g} seconds, got {s}")
         return v
@@ -631,8 +638,8 @@ def _seconds(allow_zero: bool):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvlab", description="Measure KV-cache quantization.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = Parser(prog="kvlab", description="Measure KV-cache quantization.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     b = sub.add_parser("budget", help="cache bytes for a model, batch, context and KV format",
                        description="Cache bytes for a model, batch, context and KV format. With --gpu it also says "

@@ -35,7 +35,6 @@ versions, machine and run time; chapter 4 reads it.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import importlib.metadata as md
 import json
@@ -47,6 +46,7 @@ from pathlib import Path
 import torch
 
 from kvlab import engines
+from kvlab.cli import Parser
 from kvlab.env import cpu_model
 from kvlab.models import load_model
 from kvlab.paths import RESULTS_DIR, out_problem, write_json
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--quanto", action="store_true", help="transformers' QuantizedCache (quanto)")
     which.add_argument("--hqq", action="store_true", help="transformers' QuantizedCache (HQQ backend)")

@@ -10,7 +10,6 @@ perplexity. Writes ``data/model/eval.json`` and ``data/model/README.md`` (the mo
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvlab import evals, results
+from kvlab.cli import Parser
 from kvlab.models import MODEL_DIR, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ kvlab-tiny as the fast fixture of the unit tests.
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--long-trials", type=int, default=2, help="prompts per depth at 8k and 16k")
     p.add_argument("--lengths", default="256,512,1024,2048,4096")
     p.add_argument("--card-only", action="store_true", help="rewrite the model card from the saved eval.json")

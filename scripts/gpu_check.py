@@ -14,7 +14,6 @@ on a machine without CUDA.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import subprocess
@@ -36,7 +35,9 @@ def _run(cmd, limit: float) -> tuple[int, str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from kvlab.cli import Parser
+
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "data" / "results")
     args = p.parse_args(argv)
     import torch

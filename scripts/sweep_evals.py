@@ -19,7 +19,6 @@ plus how long each part took, on what machine, with which versions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import transformers
 
 from kvlab import evals
+from kvlab.cli import Parser
 from kvlab.env import machine as env_machine
 from kvlab.facts import LADDER_PPL_WINDOWS
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
@@ -51,7 +51,7 @@ def machine() -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "eval_sweep.json")
     p.add_argument("--model", default=DEFAULT_MODEL)

@@ -33,7 +33,6 @@ formats later on the same prompts and appends them (:class:`kvlab.results.LongSw
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -41,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvlab.cli import Parser
 from kvlab.paths import out_problem, read_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,7 +276,7 @@ def formats(quick: bool, hybrid: bool = True):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gemma3-270m")
     p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "long_sweep.jsonl")
     p.add_argument("--lengths", type=int, nargs="+", default=None)

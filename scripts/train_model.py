@@ -28,7 +28,6 @@ Run (CPU, about 35 minutes on 2 cores in all; minutes on a GPU):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
@@ -41,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import tasks
+from kvlab.cli import Parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,7 +250,7 @@ def copy_accuracy(model, vocab_size, length, gen, rows=8):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "data" / "model")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (writes to --out)")
     p.add_argument("--seed", type=int, default=0)

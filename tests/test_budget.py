@@ -166,7 +166,7 @@ def test_prices_follow_the_hardware():
 @given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5), st.booleans(), st.text(max_size=3)))
 def test_hourly_price_refuses_what_is_not_a_price(usd):
     ok = isinstance(usd, (int, float)) and not isinstance(usd, bool) and 0 < usd < float("inf")
-    if ok and usd <= B.MAX_HOURLY_USD:
+    if ok and B.MIN_HOURLY_USD <= usd <= B.MAX_HOURLY_USD:
         assert B.hourly_price("H100-80GB", usd) == usd
     else:
         with pytest.raises(ValueError, match="gpu_hour_usd must be"):

@@ -543,7 +543,11 @@ def test_odd_characters_in_values_and_paths_stay_on_one_escaped_line(tmp_path, c
     for argv, needle in ((["budget", "--batch", "1\n" * 1500], "starting '1\\n1\\n"),
                          (["budget", "--batch", " " * 3000 + "x"], "characters)"),
                          (["niah", "--endpoint", "http://127.0.0.1:1", "--lengths", ", ".join(["1"] * 1500)], "characters)"),
-                         (["serve-sim", "--gpu-hour-usd", "2e6"], "at most 1,000,000 dollars per GPU-hour"),
+                         (["serve-sim", "--gpu-hour-usd", "2e6"], "to 1,000,000 dollars per GPU-hour, got 2e6"),
+                         (["serve-sim", "--gpu-hour-usd", "5e-324"], "from 0.001 to 1,000,000 dollars"),
+                         (["serve-sim", "--gpu-hour-usd", "1e-400"], "> 0, got 1e-400 (it rounds to 0)"),
+                         (["serve-sim", "--memory-utilization", "1e-400"], "(0, 1], got 1e-400 (it rounds to 0)"),
+                         (["serve-sim", "--memory-utilization", "0.0"], "(0, 1], got 0.0\n"),
                          (["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "1e-400"], "rounds to 0"),
                          (["niah", "--endpoint", "http://127.0.0.1:1", "--out", str(tmp_path / "a\nb\x1b[2J" / "x.json")],
                           "a\\nb\\x1b[2J")):
@@ -560,3 +564,12 @@ def test_odd_characters_in_values_and_paths_stay_on_one_escaped_line(tmp_path, c
     assert "Traceback" not in capsys.readouterr().err
     assert cli._depth_list("-0,1") == [0.0, 1.0] and str(cli._depth_list("-0")[0]) == "0.0"
 
+
+
+@pytest.mark.parametrize("script", ["sweep_long.py", "sweep_evals.py", "train_model.py"])
+def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
+    """The data scripts share the CLI's parser: a bad flag is one line, no usage block in front of it."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / script), "--no-such-flag"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag\n", r.stderr
