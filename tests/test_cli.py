@@ -566,7 +566,7 @@ def test_odd_characters_in_values_and_paths_stay_on_one_escaped_line(tmp_path, c
 
 
 
-@pytest.mark.parametrize("script", ["sweep_long.py", "sweep_evals.py", "train_model.py"])
+@pytest.mark.parametrize("script", ["sweep_long.py", "gpu_check.py"])
 def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
     """The data scripts share the CLI's parser: a bad flag is one line, no usage block in front of it."""
     root = Path(__file__).resolve().parents[1]

@@ -110,6 +110,7 @@ def test_429_and_5xx_give_up_with_the_last_error(stub):
     assert s.count == 3 and time.perf_counter() - t0 < 5
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_a_stalled_server_times_out_never_hangs(stub):
     s = stub(lambda n: (200, None))
     t0 = time.perf_counter()

@@ -49,6 +49,7 @@ def test_the_model_id_is_a_name_not_a_path(shipped):
         s.httpd.server_close()
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_an_oversized_body_is_refused_before_it_is_read(srv):
     head = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n{}" % (srv.max_body + 1))
     assert head.startswith(b"HTTP/1.0 413 ") and b"at most" in head
@@ -97,6 +98,7 @@ def test_bad_content_length_headers(srv):
     assert b" 411 " in _raw(srv, b"POST /v1/completions HTTP/1.0\r\n\r\n").split(b"\r\n")[0]
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_a_half_sent_body_does_not_hold_a_thread(srv, monkeypatch):
     monkeypatch.setattr(S._Handler, "timeout", 0.5)
     t0 = time.time()
@@ -104,6 +106,7 @@ def test_a_half_sent_body_does_not_hold_a_thread(srv, monkeypatch):
     assert out.startswith(b"HTTP/1.0 408 ") and time.time() - t0 < 5  # answered, then dropped, at the socket timeout
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_an_idle_connection_is_dropped(srv, monkeypatch):
     monkeypatch.setattr(S._Handler, "timeout", 0.5)
     with socket.create_connection((srv.host, srv.port), timeout=10) as s:
@@ -116,6 +119,7 @@ def test_an_idle_connection_is_dropped(srv, monkeypatch):
         assert time.time() - t0 < 5
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_idle_connections_cannot_lock_out_a_real_client(shipped, monkeypatch):
     """Every slot held by clients that connect and send nothing: a real request is still served at once, and the
     oldest idle connection is told why it was dropped (not a 503 for everyone until the socket timeouts)."""
@@ -202,6 +206,7 @@ def test_any_body_gets_200_or_a_4xx_never_a_500(srv, body):
     assert r.status_code == 200 or 400 <= r.status_code < 500, (body, r.text)
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_many_clients_at_once_all_get_answers(srv):
     codes = []
 
@@ -282,6 +287,7 @@ def test_more_hostile_bodies_are_400(srv, raw, why):
     assert r.status_code == 400 and re.search(why, r.json()["error"]["message"]), r.text
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 @pytest.mark.parametrize("value", ["\xb2", "1" * 5000, "+5", " 1e3"])
 def test_odd_content_length_values_are_400_or_413(srv, value):
     head = _raw(srv, b"POST /v1/completions HTTP/1.0\r\nContent-Length: " + value.encode("latin-1") + b"\r\n\r\n{}")
@@ -299,6 +305,7 @@ def test_the_http_layer_answers_in_json_and_other_methods_get_405(srv):
     assert json.loads(body)["error"]["code"] == 505 or b"505" in head
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_a_client_dripping_its_request_is_cut_off_at_the_deadline(srv, monkeypatch):
     monkeypatch.setattr(S, "REQUEST_DEADLINE_S", 1.0)
     with socket.create_connection((srv.host, srv.port), timeout=10) as s:
@@ -314,6 +321,7 @@ def test_a_client_dripping_its_request_is_cut_off_at_the_deadline(srv, monkeypat
         assert time.time() - t0 < 8  # cut off well before the whole line was dripped (6 s)
 
 
+@pytest.mark.slow  # waits out a timeout: make test, not make quick
 def test_a_burst_of_connections_is_not_dropped(srv):
     out = []
 
