@@ -2,7 +2,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import kvlab.kernels  # noqa: E402,F401  (sets TRITON_INTERPRET=1 on a CPU before anything imports triton)
+import kvlab.kernels  # noqa: E402,F401,I001  (first: sets TRITON_INTERPRET=1 on a CPU before anything imports triton)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
