@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import re
 import sys
 from dataclasses import dataclass, field
@@ -504,13 +505,20 @@ def hourly_price(gpu, usd: float | None = None) -> float:
         if g.usd_per_hour is None:
             raise ValueError(f"GPU {g.name!r} has no listed price; pass gpu_hour_usd")
         return g.usd_per_hour
-    if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not math.isfinite(usd) or usd <= 0:
-        raise ValueError(f"gpu_hour_usd must be a positive finite number of dollars, got {usd!r}")
-    if usd > MAX_HOURLY_USD:  # costs multiply it by hours and GPUs: past this they overflow to inf
-        raise ValueError(f"gpu_hour_usd must be at most ${MAX_HOURLY_USD:,.0f} per GPU-hour, got {usd!r}")
-    if usd < MIN_HOURLY_USD:  # costs divide it by millions of tokens: far below this they round to $0
-        raise ValueError(f"gpu_hour_usd must be at least ${MIN_HOURLY_USD:g} per GPU-hour, got {usd!r}")
-    return float(usd)
+    shown = repr(usd) if len(repr(usd)) <= 40 else repr(usd)[:40] + "..."
+    if isinstance(usd, bool) or not isinstance(usd, numbers.Real):  # numpy's floats and ints are Real too
+        raise ValueError(f"gpu_hour_usd must be a real number of dollars, got {type(usd).__name__} {shown}")
+    try:
+        v = float(usd)
+    except OverflowError:  # an int past float's range
+        v = math.inf
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"gpu_hour_usd must be a positive finite number of dollars, got {shown}")
+    if v > MAX_HOURLY_USD:  # costs multiply it by hours and GPUs: past this they overflow to inf
+        raise ValueError(f"gpu_hour_usd must be at most ${MAX_HOURLY_USD:,.0f} per GPU-hour, got {shown}")
+    if v < MIN_HOURLY_USD:  # costs divide it by millions of tokens: far below this they round to $0
+        raise ValueError(f"gpu_hour_usd must be at least ${MIN_HOURLY_USD:g} per GPU-hour, got {shown}")
+    return v
 
 
 MAX_HOURLY_USD = 1e6  # a thousand times any listed rate

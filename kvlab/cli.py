@@ -37,9 +37,13 @@ class Parser(argparse.ArgumentParser):
         if "expected one argument" in message:  # "--batch -inf": argparse took "-inf" for an option
             message += " (a value that starts with '-' goes as --flag=VALUE)"
         prog = self.prog.split()[0]  # a subcommand's errors are the program's
-        self.exit(2, f"{prog}: error: " + re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message) + "\n")
+        # argparse quotes unrecognized arguments as typed: escape what would act on a terminal or break the line
+        message = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
+        message = re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message)
+        self.exit(2, f"{prog}: error: {_shown(message, MAX_ERROR_CHARS)}\n")
 
 
+MAX_ERROR_CHARS = 400  # an error line is cut here (a long value made of words is one line, not thousands of characters)
 MAX_LENGTH = 1 << 20  # tokens in one prompt: past every model here (a larger one would only exhaust memory)
 MAX_REQUESTS = 100_000  # serve-sim replays this many at most: 1-2 minutes on a 2-core laptop (serving_replay.json:
 # about 2,000 requests/s generated and 2,300-3,500/s replayed); a million took over 10 minutes
@@ -63,8 +67,9 @@ def _number_text(text, what: str) -> str:
     return s
 
 
-def _int(minimum, maximum=None):
-    """An argparse type: an integer in [minimum, maximum] (the messages leave the flag to argparse)."""
+def int_flag(minimum, maximum=None):
+    """An argparse type: an integer in [minimum, maximum] (the messages leave the flag to argparse). The data
+    scripts use it too, so their flags refuse what the CLI's refuse ("４", "1_000", 5,000 digits)."""
 
     def parse(text):
         s = _number_text(text, "an integer")
@@ -81,9 +86,36 @@ def _int(minimum, maximum=None):
     return parse
 
 
+_int = int_flag
+
+
+def float_flag(minimum: float, maximum: float):
+    """An argparse type: a finite number in [minimum, maximum], refused as :func:`int_flag` refuses."""
+
+    def parse(text):
+        s = _number_text(text, "a number")
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
+        if not minimum <= v <= maximum:
+            raise argparse.ArgumentTypeError(f"must be from {minimum:g} to {maximum:g}, got {s}{_rounds_to_zero(s, v)}")
+        return v + 0.0  # -0 is 0
+
+    return parse
+
+
+def path_flag(text) -> Path:
+    """An argparse type: a path, not empty (``Path("")`` would quietly be the working folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a path")
+    return Path(text)
+
+
 def _rounds_to_zero(s: str, v: float) -> str:
     """' (it rounds to 0)' when ``s`` names a nonzero number that float() reads as 0 (1e-400), else ''."""
-    return " (it rounds to 0)" if v == 0 and any(c in "123456789" for c in s.lower().split("e")[0]) else ""
+    nonzero = any(c in "123456789" for c in s.lower().split("e")[0])
+    return " (it rounds to 0)" if v == 0 and nonzero and not s.startswith("-") else ""
 
 
 def _fraction(text):
@@ -222,6 +254,9 @@ def _length_list(text):
     if len(set(vals)) < len(vals):
         raise argparse.ArgumentTypeError(f"lists a value twice: {_shown(repr(text))}")
     return vals
+
+
+length_list_flag = _length_list  # the data scripts' name for it
 
 
 def _depth_list(text):

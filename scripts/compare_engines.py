@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from kvlab import engines
-from kvlab.cli import Parser
+from kvlab.cli import MAX_LENGTH, Parser, float_flag, int_flag, path_flag
 from kvlab.env import cpu_model
 from kvlab.models import load_model
 from kvlab.paths import RESULTS_DIR, out_problem, write_json
@@ -64,17 +64,17 @@ def main(argv=None) -> dict:
                        help="two llama.cpp servers (f16, q4_0 cache) compared with kvlab niah --endpoint")
     p.add_argument("--model", choices=["smollm2-135m", "gemma3-270m"], default="smollm2-135m",
                    help="llama.cpp: whose GGUF file runs (gemma3-270m pairs with the long sweep's prompts)")
-    p.add_argument("--lengths", type=int, nargs="+", default=None)
-    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--lengths", type=int_flag(64, MAX_LENGTH), nargs="+", default=None)
+    p.add_argument("--depths", type=float_flag(0, 1), nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--trials", type=int_flag(1, 1000), default=5)
+    p.add_argument("--new-tokens", type=int_flag(2, 4096), default=8)
     p.add_argument("--cache-types", nargs="+", choices=list(engines.LLAMA_CACHE_TYPES), default=None,
                    help="llama.cpp: which K/V cache types run, in this order (default: all)")
     p.add_argument("--swa-cache", choices=["full", "window"], default=None,
                    help="llama.cpp: a sliding-window layer's cache holds the whole context ('full', llama-cpp-python's "
                         "default) or its window only ('window': much faster at 32k on a CPU, same answers in principle)")
     p.add_argument("--quick", action="store_true", help="llama.cpp: the first case only (a smoke test)")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=path_flag, default=None)
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvlab import evals, results
-from kvlab.cli import Parser
+from kvlab.cli import Parser, int_flag, length_list_flag
 from kvlab.models import MODEL_DIR, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,11 +101,13 @@ kvlab-tiny as the fast fixture of the unit tests.
 
 def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--long-trials", type=int, default=2, help="prompts per depth at 8k and 16k")
-    p.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--long-trials", type=int_flag(0, 100), default=2, help="prompts per depth at 8k and 16k")
+    p.add_argument("--lengths", type=length_list_flag, default="256,512,1024,2048,4096")
     p.add_argument("--card-only", action="store_true", help="rewrite the model card from the saved eval.json")
     p.add_argument("--prose-only", action="store_true", help="measure only the prose-haystack passkeys, then the card")
     args = p.parse_args(argv)
+    if min(args.lengths) < 64:
+        p.error(f"--lengths must be at least 64 tokens each (a passkey prompt needs room), got {min(args.lengths)}")
     if args.prose_only:
         ev = json.loads((MODEL_DIR / "eval.json").read_text())
         model, tok = load_model("kvlab-tiny")
@@ -124,7 +126,7 @@ def main(argv=None):
     t0 = time.time()
     ev = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "torch": torch.__version__,
           "cache_format": "fp32", "passkey": {}}
-    plan = [(int(n), 10) for n in args.lengths.split(",")] + [(8192, args.long_trials), (16384, args.long_trials)]
+    plan = [(n, 10) for n in args.lengths] + [(8192, args.long_trials), (16384, args.long_trials)]
     for n, per_depth in plan:
         if per_depth < 1:
             continue

@@ -35,20 +35,18 @@ def _run(cmd, limit: float) -> tuple[int, str]:
 
 
 def main(argv=None) -> int:
-    from kvlab.cli import Parser
+    from kvlab.cli import Parser, path_flag
+    from kvlab.paths import shown_path
 
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "data" / "results")
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results", help="a folder for the results")
     args = p.parse_args(argv)
+    if not args.out.is_dir():
+        p.error(f"--out {shown_path(args.out)} is not a folder")
     import torch
 
     if not torch.cuda.is_available():
-        print("kvlab: error: make gpu needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)",
-              file=sys.stderr)
-        return 2
-    if not args.out.is_dir():
-        print(f"kvlab: error: --out {args.out} is not a folder", file=sys.stderr)
-        return 2
+        p.error("make gpu needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)")
     import triton
 
     from kvlab.formats import get_format

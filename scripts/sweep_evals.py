@@ -62,7 +62,10 @@ def main(argv=None):
     if args.out.exists() and args.out.is_dir():
         p.error(f"--out {args.out} is a directory")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    model, tok = load_model(args.model)
+    try:
+        model, tok = load_model(args.model)
+    except (ValueError, OSError) as e:  # an unknown name or a folder without a model: one line
+        p.error(f"--model: {e}")
     fmts = all_formats()
     if args.quick:
         fmts = [get_format(n) for n in ("fp32", "int8", "int4_tensor")]

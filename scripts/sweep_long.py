@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvlab.cli import Parser
+from kvlab.cli import MAX_LENGTH, Parser, int_flag, path_flag
 from kvlab.paths import out_problem, read_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,16 +278,16 @@ def formats(quick: bool, hybrid: bool = True):
 def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "long_sweep.jsonl")
-    p.add_argument("--lengths", type=int, nargs="+", default=None)
-    p.add_argument("--per-depth", type=int, default=5, help="prompts per (length, depth); 5 depths")
-    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens")
-    p.add_argument("--haystack-file", type=Path, default=None,
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results" / "long_sweep.jsonl")
+    p.add_argument("--lengths", type=int_flag(64, MAX_LENGTH), nargs="+", default=None)
+    p.add_argument("--per-depth", type=int_flag(1, 1000), default=5, help="prompts per (length, depth); 5 depths")
+    p.add_argument("--chunk", type=int_flag(1, MAX_LENGTH), default=1024, help="prefill chunk in tokens")
+    p.add_argument("--haystack-file", type=path_flag, default=None,
                    help="a UTF-8 text file to cut the prose haystack from (default: the project's corpus)")
     p.add_argument("--stages", nargs="+", default=None, choices=["filler", "perplexity", "prose", "cached", "multikey", "orders"],
                    help="default: every stage; with --add-formats, perplexity filler prose (the prompt-reads-the-cache "
                         "stage prefills once per format)")
-    p.add_argument("--windows", type=int, default=16, help="perplexity windows of 512 tokens (the held-out text)")
+    p.add_argument("--windows", type=int_flag(1, 10_000), default=16, help="perplexity windows of 512 tokens (the held-out text)")
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     p.add_argument("--add-formats", nargs="+", default=None, metavar="FORMAT",
                    help="measure these formats on the prompts --out already holds (rebuilt from their seeds and "
@@ -340,7 +340,10 @@ def _main(p, args):
     lengths = args.lengths or ([] if args.add_formats else [256, 1024] if args.quick else LENGTHS)
     depths = [0.0, 1.0] if args.quick else DEPTHS
     per_depth = 1 if args.quick else args.per_depth
-    model, tok = load_model(args.model)
+    try:
+        model, tok = load_model(args.model)
+    except (ValueError, OSError) as e:  # an unknown name or a folder without a model: one line
+        p.error(f"--model: {e}")
     fmts = formats(args.quick, "sliding_attention" in (getattr(model.config, "layer_types", None) or []))
     window = getattr(model.config, "max_position_embeddings", None)
     if window and max(lengths, default=0) > window:

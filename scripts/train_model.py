@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlab import tasks
-from kvlab.cli import Parser
+from kvlab.cli import Parser, float_flag, int_flag, path_flag
+from kvlab.paths import out_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,20 +252,21 @@ def copy_accuracy(model, vocab_size, length, gen, rows=8):
 
 def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "data" / "model")
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "model")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (writes to --out)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--init-from", type=Path, default=None,
+    p.add_argument("--seed", type=int_flag(0, 2**32 - 1), default=0)
+    p.add_argument("--vocab-size", type=int_flag(1400, 1 << 20), default=4096,
+                   help="at least 1400: 256 bytes, the specials, 1100 digit groups and some merges")
+    p.add_argument("--lr", type=float_flag(1e-7, 1.0), default=2e-3)
+    p.add_argument("--threads", type=int_flag(0, 1024), default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--init-from", type=path_flag, default=None,
                    help="continue from a saved model folder (its tokenizer is kept) instead of starting fresh")
-    p.add_argument("--max-stages", type=int, default=None, help="run only the first N stages")
+    p.add_argument("--max-stages", type=int_flag(1, 100), default=None, help="run only the first N stages")
     p.add_argument("--continue-stages", action="store_true",
                    help="run the second pass (CONTINUE) instead of the curriculum; use with --init-from")
     args = p.parse_args(argv)
-    if args.vocab_size < 1400:
-        p.error("--vocab-size must be at least 1400 (256 bytes + specials + 1100 digit groups + merges)")
+    if why := out_problem(args.out / "config.json" if args.out.is_dir() else args.out, "--out"):
+        p.error(why)  # before hours of training, not at the first checkpoint
     if args.threads:
         torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -289,8 +291,6 @@ def main(argv=None):
 
     stages = QUICK if args.quick else (CONTINUE if args.continue_stages else STAGES)
     if args.max_stages is not None:
-        if args.max_stages < 1:
-            p.error("--max-stages must be >= 1")
         stages = stages[: args.max_stages]
     if args.init_from is not None:
         from transformers import LlamaForCausalLM

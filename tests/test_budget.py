@@ -163,6 +163,20 @@ def test_prices_follow_the_hardware():
     assert B.hourly_price("l4") == p["L4"] and B.hourly_price("L4", 1) == 1.0
 
 
+def test_hourly_price_takes_any_real_number_type_and_names_what_it_refuses():
+    from fractions import Fraction
+
+    import numpy as np
+
+    for usd in (np.float32(2.0), np.float16(2.0), np.int64(2), Fraction(2), 2):
+        assert B.hourly_price("H100-80GB", usd) == 2.0
+    for usd, why in ((10**400, "positive finite"), (2**1024, "positive finite"), (10**308, "at most"),
+                     ("2", "real number"), (1j, "real number"), (np.float64("nan"), "finite")):
+        with pytest.raises(ValueError, match=why) as e:
+            B.hourly_price("H100-80GB", usd)
+        assert len(str(e.value)) < 160
+
+
 @given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5), st.booleans(), st.text(max_size=3)))
 def test_hourly_price_refuses_what_is_not_a_price(usd):
     ok = isinstance(usd, (int, float)) and not isinstance(usd, bool) and 0 < usd < float("inf")

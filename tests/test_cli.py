@@ -568,8 +568,37 @@ def test_odd_characters_in_values_and_paths_stay_on_one_escaped_line(tmp_path, c
 
 @pytest.mark.parametrize("script", ["sweep_long.py", "gpu_check.py"])
 def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
-    """The data scripts share the CLI's parser: a bad flag is one line, no usage block in front of it."""
+    """The data scripts share the CLI's parser: a bad flag is one line, no usage block in front of it, and what
+    would act on a terminal is escaped."""
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(root / "scripts" / script), "--no-such-flag"], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 2 and r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag\n", r.stderr
+    r = subprocess.run([sys.executable, str(root / "scripts" / script), "--no-such-flag", "a\nb\x1b[2J"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag a\\nb\\x1b[2J\n", r.stderr
+
+
+@pytest.mark.slow  # each script imports torch: seconds a case
+@pytest.mark.parametrize("argv, why", [
+    (["sweep_long.py", "--per-depth", "４"], "--per-depth: must be an integer written in ASCII digits"),
+    (["sweep_long.py", "--lengths", "1_000"], "--lengths: must be an integer without '_'"),
+    (["sweep_long.py", "--out", ""], "--out: is empty"),
+    (["sweep_long.py", "--model", "/no/such/model", "--lengths", "64", "--out", "{tmp}/x.jsonl"], "--model: could not load"),
+    (["sweep_evals.py", "--model", "", "--out", "{tmp}/e.json"], "--model: "),
+    (["eval_model.py", "--lengths", "abc"], "--lengths: "),
+    (["eval_model.py", "--lengths", "10"], "--lengths must be at least 64"),
+    (["eval_model.py", "--long-trials", "-1"], "--long-trials: must be >= 0"),
+    (["train_model.py", "--threads", "-1"], "--threads: must be >= 0"),
+    (["train_model.py", "--lr", "nan"], "--lr: must be from"),
+    (["train_model.py", "--max-stages", "0"], "--max-stages: must be >= 1"),
+    (["train_model.py", "--out", "/proc/x"], "--out /proc/x: "),
+    (["compare_engines.py", "--llama-cpp", "--depths", "2"], "--depths: must be from 0 to 1"),
+    (["gpu_check.py", "--out", "/no/such/folder"], "--out /no/such/folder is not a folder"),
+])
+def test_the_scripts_refuse_bad_values_before_any_work(argv, why, tmp_path):
+    """A bad value is refused in one line before a model loads or a file is written (the data scripts use the
+    CLI's number and path types, so they refuse what it refuses)."""
+    root = Path(__file__).resolve().parents[1]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    r = subprocess.run([sys.executable, str(root / "scripts" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith(f"{argv[0]}: error: ") and why in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and not r.stdout and not list(tmp_path.iterdir()), (r.stdout, r.stderr)

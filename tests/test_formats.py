@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvlab import budget as B
-from kvlab.formats import KVFormat, get_format
+from kvlab.formats import FORMATS, KVFormat, get_format
 from kvlab.paths import DATA_DIR
 
 
@@ -86,3 +86,17 @@ def test_a_kvformat_checks_its_fields(kw, match):
 def test_a_mix_refuses_a_model_without_that_layer_type():
     with pytest.raises(ValueError, match="has none"):
         B.budget("llama-3.1-8b", 1, 10, "int4@sliding")
+
+
+def test_nvfp4_steps_change_one_thing_at_a_time_and_end_at_nvfp4():
+    from dataclasses import asdict
+
+    from kvlab.formats import nvfp4_steps
+
+    steps = nvfp4_steps()
+    assert [s.bits_per_element(64) for s in steps] == [4.5, 5.0, 4.5, 4.5]
+    assert steps[-1].key == steps[-1].value == get_format("nvfp4").key
+    assert all(s.name not in FORMATS for s in steps)  # compared, not offered
+    for a, b in zip(steps, steps[1:]):
+        changed = {k for k, v in asdict(a.key).items() if asdict(b.key)[k] != v}
+        assert len(changed) == 1 and a.key == a.value and b.key == b.value, (a.name, b.name, changed)

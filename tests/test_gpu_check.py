@@ -13,4 +13,4 @@ def test_make_gpu_refuses_clearly_without_cuda():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
-    assert r.stderr.startswith("kvlab: error: make gpu needs a CUDA GPU") and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("gpu_check.py: error: make gpu needs a CUDA GPU") and len(r.stderr.splitlines()) == 1
