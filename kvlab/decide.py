@@ -287,7 +287,8 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
     (chapter 4's paired needle verdict and perplexity change, one value per model, in the models' order)."""
     models = risk_models(rows)
     quality = quality and bool(models)
-    head = "| format | bits | whole load's cache | load fits one GPU | most sequences | step | tokens/s | vs first |"
+    head = ("| format | bits an element | cache of the whole load | whole load fits one GPU | sequences one GPU holds | "
+            "decode step | tokens/s | tokens/s vs first row |")
     rule = "|---|---:|---:|---|---:|---:|---:|---:|"
     if quality:
         who = " · ".join(short_model_name(m) for m in models)

@@ -1715,7 +1715,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(max(steps) < 1.1 * min(steps), steps),
         "so throughput follows the sequences that fit": _claim(abs(f8["speedup"] - f8["running"] / bf["running"]) < 0.1),
         "at one sequence INT4 gains less than 40% over BF16": _claim(values["small_gain"] < 1.4, values["small_gain"]),
-        "each curve ends where its pool is full (the table's most sequences)":
+        "each curve ends where its pool is full (the table's sequences one GPU holds)":
             _claim(all(full[f] == by[f]["max_concurrency"] for f in full), full),
         "at one sequence the weights are most of the bytes read": _claim(share1 < 0.5, share1),
         "at 8 sequences INT4 is at least 1.5x BF16": _claim(values["gain8"] is not None and values["gain8"] >= 1.5, at8),
@@ -1808,8 +1808,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "NVFP4 costs less perplexity than int4 on both models but is over the bar on both":
             _claim(all(n is not None and PPL_TOLERANCE < n < i for n, i in zip(values["added_ppl"].get("nvfp4", [None]), ppl2["int4"])),
                    (values["added_ppl"].get("nvfp4"), ppl2["int4"])),
-        "INT8 ties the FP8 call on GPUs, within 3% of its modelled throughput, with lower perplexity on both models, offered by vLLM's Triton backend only":
+        "INT8 ties the FP8 call on GPUs and room to spare, within 3% of its modelled throughput, with lower perplexity on both models, offered by vLLM's Triton backend only":
             _claim(call == "fp8_e4m3" and "int8" in picks and plans["int8"]["gpus"] == plans[call]["gpus"]
+                   and plans["int8"]["spare"] == plans[call]["spare"]
                    and 0 <= values["int8_gap"] < 0.03 and all(i < f for i, f in zip(ppl2["int8"], ppl2[call]))
                    and list(by["int8"]["engines"]) == ["vLLM"] and "Triton" in by["int8"]["engines"]["vLLM"],
                    (plans["int8"], values["int8_gap"], ppl2["int8"], ppl2[call], by["int8"]["engines"])),

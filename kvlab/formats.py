@@ -254,19 +254,18 @@ for _fmt in (
 
 
 def nvfp4_steps() -> list[KVFormat]:
-    """NVFP4's three differences from a 4.5-bit integer block format, taken one at a time (chapter 2).
+    """NVFP4's three differences from llama.cpp's ``q4_0``, taken one at a time (chapter 2).
 
-    From symmetric INT4 (-7..7) in blocks of 32 values with an fp16 scale (4.5 bits, q4_0's layout without its
-    -8 level): blocks of 16 (5 bits), then their scale in FP8 E4M3 instead of fp16 (4.5 bits again), then the
-    E2M1 grid instead of the integer one, which is ``nvfp4``. Each step changes one thing, so the differences
-    between neighbours split NVFP4's lead over the integer block into block size, scale and grid. Not
-    registered: they exist to be compared, not offered.
+    From ``q4_0`` (4-bit integers -8..7 in blocks of 32 values, an fp16 scale: 4.5 bits): blocks of 16 (5 bits),
+    then their scale in FP8 E4M3 instead of fp16 (4.5 bits again), then the E2M1 grid instead of the integer one,
+    which is ``nvfp4``. Each step changes one thing, so the differences between neighbours add up to NVFP4's lead
+    over ``q4_0``, split into block size, scale and grid. Not registered: they exist to be compared, not offered.
     """
-    steps = [("int4 /32, fp16 scale", _q("int4", "group", 32)),
-             ("int4 /16, fp16 scale", _q("int4", "group", 16)),
-             ("int4 /16, fp8 scale", _q("int4", "group", 16, scale_bits=8)),
-             ("e2m1 /16, fp8 scale", FORMATS["nvfp4"].key)]
-    return [KVFormat(name, q, q, source="a step from INT4 blocks to NVFP4 (formats.nvfp4_steps)") for name, q in steps]
+    steps = [("q4_0: int4 /32, fp16 scale", FORMATS["q4_0"].key),
+             ("int4 /16, fp16 scale", _q("int4", "group", 16, full_range=True)),
+             ("int4 /16, fp8 scale", _q("int4", "group", 16, scale_bits=8, full_range=True)),
+             ("nvfp4: e2m1 /16, fp8 scale", FORMATS["nvfp4"].key)]
+    return [KVFormat(name, q, q, source="a step from q4_0 to NVFP4 (formats.nvfp4_steps)") for name, q in steps]
 
 
 def get_format(fmt: str | KVFormat) -> KVFormat:

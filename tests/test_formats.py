@@ -95,8 +95,8 @@ def test_nvfp4_steps_change_one_thing_at_a_time_and_end_at_nvfp4():
 
     steps = nvfp4_steps()
     assert [s.bits_per_element(64) for s in steps] == [4.5, 5.0, 4.5, 4.5]
-    assert steps[-1].key == steps[-1].value == get_format("nvfp4").key
+    assert steps[0].key == get_format("q4_0").key and steps[-1].key == steps[-1].value == get_format("nvfp4").key
     assert all(s.name not in FORMATS for s in steps)  # compared, not offered
     for a, b in zip(steps, steps[1:]):
-        changed = {k for k, v in asdict(a.key).items() if asdict(b.key)[k] != v}
+        changed = {k for k, v in asdict(a.key).items() if asdict(b.key)[k] != v} - {"full_range"}  # E2M1 has no -8
         assert len(changed) == 1 and a.key == a.value and b.key == b.value, (a.name, b.name, changed)
