@@ -174,7 +174,8 @@ def test_formats_engines_names_every_preset_and_cites_every_engine(capsys):
         assert set(row) == set(t["engines"])
     assert all(len(e["source"]) > 40 for e in t["engines"].values()), "every engine cites its documentation"
     assert engine_options("fp8")["vLLM"].startswith("--kv-cache-dtype fp8")
-    assert engine_options("q4_0")["llama.cpp"].startswith("-ctk q4_0 -ctv q4_0 -fa on, with LLAMA_ATTN_ROT_DISABLE=1")
+    assert engine_options("q4_0")["llama.cpp"].startswith("-ctk q4_0 -ctv q4_0 -fa on (llama.cpp rotates first by default")
+    assert "LLAMA_ATTN_ROT_DISABLE=1 reproduces" in engine_options("q4_0")["llama.cpp"]
     assert "llama.cpp" in engine_nearest("q4_0+rotate")  # llama.cpp's default rotates a quantized cache
     assert engine_options("kivi-2")["vLLM"] is None
     assert engine_options("int8")["vLLM"].startswith("--kv-cache-dtype int8_per_token_head")  # vLLM 0.21+, Triton

@@ -123,7 +123,7 @@ def test_shipped_llamacpp_server_comparison_has_its_schema():
     (["--quanto", "--quick"], "--quick is for --llama-cpp"),
     (["--hqq", "--depths", "0.5"], "--depths is not for --quanto or --hqq"),
     (["--quanto", "--model", "gemma3-270m"], "--model gemma3-270m is for --llama-cpp"),
-    (["--llama-cpp", "--trials", "0"], "--trials must be >= 1"),
+    (["--llama-cpp", "--trials", "0"], "--trials: must be >= 1, got 0"),
 ])
 def test_compare_engines_refuses_flags_it_would_ignore_before_any_run(argv, needle):
     import subprocess
