@@ -285,6 +285,7 @@ class QuantErrorExplorer(_Panel):
                        scale_bits=32 if self.element.value.startswith("float") else 16, **kw)
 
     def update(self, change=None):
+        self.group.disabled = self.gran.value != "group"  # the slider only means something for groups
         x = (self.cap.keys if self.tensor.value == "keys" else self.cap.values)[self.layer.value]
         try:
             xh = self._fq(x, self.quantizer())

@@ -93,7 +93,9 @@ def test_quant_error_explorer_updates_in_place():
     s_int4 = e.status.value
     e.element.value = "int8"
     assert e.fig.data[0] is trace and e.status.value != s_int4
+    assert e.group.disabled  # per token: the group size means nothing, and the slider says so
     e.gran.value = "group"
+    assert not e.group.disabled
     e.group.value = 16
     assert "bits per element" in e.status.value
 
