@@ -376,11 +376,11 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
 
 def needle_label(mf: dict, fmt: str) -> str:
     """One model's paired needle verdict for ``fmt``, short (``mf`` is :func:`_model_facts`): "held", or the first
-    test it failed: "worse at 1k, 4k" (filler haystack), "worse in prose at 8k", "worse pooled (−6 +0)"."""
+    test it failed: "worse in filler at 1k, 4k", "worse in prose at 8k", "worse pooled (−6 +0)"."""
     if fmt in mf["held"]:
         return "held"
     if at := mf["by"][fmt]["worse_at"]:
-        return "worse at " + ", ".join(_k(n) for n in at)
+        return "worse in filler at " + ", ".join(_k(n) for n in at)
     if at := mf["prose"]["by"].get(fmt, {}).get("worse_at"):
         return "worse in prose at " + ", ".join(_k(n) for n in at)
     p = mf["pooled"][fmt]
@@ -1476,7 +1476,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "the cheapest rows are the small formats":
             _claim(by_fmt["int4_tensor"]["usd_per_m_tokens"] < by_fmt["bf16"]["usd_per_m_tokens"]),
         "INT4 per tensor was worse than full precision on both models' needles from the shortest length":
-            _claim(all(v.startswith("worse at " + mf["shortest_k"]) for v, mf in zip(needle["int4_tensor"].values(), mfs)),
+            _claim(all(v.startswith("worse in filler at " + mf["shortest_k"]) for v, mf in zip(needle["int4_tensor"].values(), mfs)),
                    needle["int4_tensor"]),
         "chapter 4 scores the same number of prompts in every cell": _claim(values["prompts_per_cell"] is not None,
                                                                            prompts),
