@@ -577,7 +577,6 @@ def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
     assert r.returncode == 2 and r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag a\\nb\\x1b[2J\n", r.stderr
 
 
-@pytest.mark.slow  # each script imports torch: seconds a case
 @pytest.mark.parametrize("argv, why", [
     (["sweep_long.py", "--per-depth", "４"], "--per-depth: must be an integer written in ASCII digits"),
     (["sweep_long.py", "--lengths", "1_000"], "--lengths: must be an integer without '_'"),
@@ -594,12 +593,20 @@ def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
     (["compare_engines.py", "--llama-cpp", "--depths", "2"], "--depths: must be from 0 to 1"),
     (["gpu_check.py", "--out", "/no/such/folder"], "--out /no/such/folder is not a folder"),
 ])
-def test_the_scripts_refuse_bad_values_before_any_work(argv, why, tmp_path):
+def test_the_scripts_refuse_bad_values_before_any_work(argv, why, tmp_path, capsys, monkeypatch):
     """A bad value is refused in one line before a model loads or a file is written (the data scripts use the
-    CLI's number and path types, so they refuse what it refuses)."""
+    CLI's number and path types, so they refuse what it refuses). In-process: each script's main() with its
+    program name as argparse would see it from the command line."""
+    import importlib.util
+
     root = Path(__file__).resolve().parents[1]
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    r = subprocess.run([sys.executable, str(root / "scripts" / argv[0]), *argv[1:]], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 2 and r.stderr.startswith(f"{argv[0]}: error: ") and why in r.stderr, r.stderr
-    assert r.stderr.count("\n") == 1 and not r.stdout and not list(tmp_path.iterdir()), (r.stdout, r.stderr)
+    spec = importlib.util.spec_from_file_location(argv[0].removesuffix(".py"), root / "scripts" / argv[0])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", [str(root / "scripts" / argv[0])])  # argparse names the program from it
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv[1:])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.startswith(f"{argv[0]}: error: ") and why in err, err
+    assert err.count("\n") == 1 and not out and not list(tmp_path.iterdir()), (out, err)
