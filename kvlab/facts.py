@@ -1669,6 +1669,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                                f"{exact_upper(c['lost'], c['prompts']):.0%}"
                                if call and (c := gemma["cell"].get((call, context))) else
                                f"no single length was measured at {_k(context)}"),
+        "tie_at_context_md": ("; ".join(f"`{f}` lost {c['lost']} and gained {c['gained']} of {c['prompts']}"
+                                        for f in (call, "int8") if (c := gemma["cell"].get((f, context))))
+                              if call and all((f, context) in gemma["cell"] for f in (call, "int8")) else
+                              f"no single length was measured at {_k(context)}"),
         "call_bound_md": " and ".join(f"{exact_upper(mf['pooled'][call].lost, mf['pooled'][call].prompts):.1%} on "
                                       f"{short_model_name(mf['name'])}" for mf in (smol, gemma)) if call else "—",
         "s_int4_tensor": needle_label(smol, "int4_tensor"), "g_int4_tensor": needle_label(gemma, "int4_tensor"),
