@@ -86,8 +86,6 @@ def int_flag(minimum, maximum=None):
     return parse
 
 
-_int = int_flag
-
 
 def float_flag(minimum: float, maximum: float):
     """An argparse type: a finite number in [minimum, maximum], refused as :func:`int_flag` refuses."""
@@ -241,7 +239,7 @@ def cmd_formats(args) -> int:
     return 0
 
 
-def _length_list(text):
+def length_list_flag(text):
     """An argparse type: distinct context lengths, comma-separated."""
     try:
         vals = [int(_number_text(x, "an integer")) for x in text.split(",")]
@@ -255,8 +253,6 @@ def _length_list(text):
         raise argparse.ArgumentTypeError(f"lists a value twice: {_shown(repr(text))}")
     return vals
 
-
-length_list_flag = _length_list  # the data scripts' name for it
 
 
 def _depth_list(text):
@@ -682,13 +678,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "max_context (the longest context --batch sequences can hold in memory: a memory "
                                    "limit, which can exceed the model's own window).")
     b.add_argument("--model", required=True, type=_model_name, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
-    b.add_argument("--batch", required=True, type=_int(1, 10**7))
-    b.add_argument("--context", required=True, type=_int(1, 10**9), help="tokens per sequence")
+    b.add_argument("--batch", required=True, type=int_flag(1, 10**7))
+    b.add_argument("--context", required=True, type=int_flag(1, 10**9), help="tokens per sequence")
     b.add_argument("--kv-dtype", default="bf16", type=_kv_format, help="KV format (see `kvlab formats`)")
     b.add_argument("--gpu", help="GPU preset ({})".format(", ".join(B.gpus())))
     b.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
-    b.add_argument("--tp", default=1, type=_int(1, 1024), help="tensor-parallel ranks")
-    b.add_argument("--block-size", default=1, type=_int(1, 2**20), help="paged-cache block size in tokens")
+    b.add_argument("--tp", default=1, type=int_flag(1, 1024), help="tensor-parallel ranks")
+    b.add_argument("--block-size", default=1, type=int_flag(1, 2**20), help="paged-cache block size in tokens")
     b.add_argument("--memory-utilization", default=0.9, type=_fraction, help="fraction of GPU memory usable")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_budget)
@@ -697,18 +693,18 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--kv-format", type=_kv_format, help="KV format (see `kvlab formats`); required without --endpoint")
     n.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
                                                  "a model folder or a hub name")
-    n.add_argument("--lengths", type=_length_list, default=[512, 1024, 2048], help="e.g. 512,1024")
+    n.add_argument("--lengths", type=length_list_flag, default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=None,
                    help="e.g. 0,0.5,1 (default); for --task chain the spread of its links, default 1")
-    n.add_argument("--trials", type=_int(1, 10_000), default=5, help="prompts per cell")
+    n.add_argument("--trials", type=int_flag(1, 10_000), default=5, help="prompts per cell")
     n.add_argument("--task", choices=["passkey", "chain"], default="passkey")
-    n.add_argument("--hops", type=_int(1, 50), default=2, help="links to follow (chain task)")
-    n.add_argument("--seed", type=_int(0, 2**32 - 1), default=0)
+    n.add_argument("--hops", type=int_flag(1, 50), default=2, help="links to follow (chain task)")
+    n.add_argument("--seed", type=int_flag(0, 2**32 - 1), default=0)
     n.add_argument("--haystack", choices=["filler", "prose"], default="filler",
                    help="repeated filler sentences, or English text (CPython's docstrings; passkey task)")
     n.add_argument("--haystack-file", help="cut the haystack from this UTF-8 text file instead (e.g. text like "
                                            "your own traffic; passkey task)")
-    n.add_argument("--chunk", type=_int(1, MAX_LENGTH), default=None,
+    n.add_argument("--chunk", type=int_flag(1, MAX_LENGTH), default=None,
                    help="prefill this many tokens per forward, as engines do (e.g. 1024 for 32k prompts)")
     n.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: the prompt attends in full precision and only the stored cache is quantized "
@@ -722,14 +718,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--compare", help="a second server, e.g. the same model with --kv-cache-dtype fp8")
     e.add_argument("--tokenizer", help="a local tokenizer of the served model (default: --model's)")
     e.add_argument("--endpoint-model", help="the served model's id (default: the server's only model)")
-    e.add_argument("--concurrency", type=_int(1, 256), default=4, help="requests in flight per run")
+    e.add_argument("--concurrency", type=int_flag(1, 256), default=4, help="requests in flight per run")
     e.add_argument("--timeout", type=_seconds(False), default=120.0, help="seconds to wait for one answer")
-    e.add_argument("--retries", type=_int(0, 20), default=3, help="retries on 429, 5xx and timeouts")
+    e.add_argument("--retries", type=int_flag(0, 20), default=3, help="retries on 429, 5xx and timeouts")
     e.add_argument("--backoff", type=_seconds(True), default=0.5, help="seconds before the first retry (doubles)")
-    e.add_argument("--max-tokens", type=_int(1, 4096), default=12, help="tokens generated per prompt")
-    e.add_argument("--top-logprobs", type=_int(0, 20), default=5,
+    e.add_argument("--max-tokens", type=int_flag(1, 4096), default=12, help="tokens generated per prompt")
+    e.add_argument("--top-logprobs", type=int_flag(0, 20), default=5,
                    help="top-k logprobs asked per step for teacher agreement (0: none)")
-    e.add_argument("--ppl-windows", type=_int(0, 1000), default=0,
+    e.add_argument("--ppl-windows", type=int_flag(0, 1000), default=0,
                    help="also the perplexity rung over this many 512-token windows (needs echo logprobs)")
     n.set_defaults(func=cmd_niah)
 
@@ -738,12 +734,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
     v.add_argument("--name", help="the model id it answers to (default: the model's path)")
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=_int(0, 65535), default=8000)
+    v.add_argument("--port", type=int_flag(0, 65535), default=8000)
     v.add_argument("--prefill", choices=["full", "cached"], default="full",
                    help="full: a fresh prompt attends in full precision and only the stored cache is quantized "
                         "(as transformers' QuantizedCache does); cached: it reads the quantized cache (as vLLM V1 "
                         "and llama.cpp do)")
-    v.add_argument("--max-model-len", type=_int(1, 2**31), default=None,
+    v.add_argument("--max-model-len", type=int_flag(1, 2**31), default=None,
                    help="longest prompt + answer it accepts, in tokens (vLLM's flag; default and upper bound: the "
                         "model's max_position_embeddings)")
     v.set_defaults(func=cmd_serve)
@@ -756,14 +752,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", default="H100-80GB")
     s.add_argument("--kv-dtype", default="bf16", type=_kv_format)
     s.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
-    s.add_argument("--block-size", type=_int(1, 2**20), default=None,
+    s.add_argument("--block-size", type=int_flag(1, 2**20), default=None,
                    help="tokens per block (default 16; 512 for traces)")
-    s.add_argument("--requests", type=_int(1, MAX_REQUESTS), default=None,
+    s.add_argument("--requests", type=int_flag(1, MAX_REQUESTS), default=None,
                    help=f"how many requests to replay (at most {MAX_REQUESTS:,})")
     s.add_argument("--memory-utilization", default=0.9, type=_fraction)
     s.add_argument("--gpu-hour-usd", default=None, type=_price,
                    help="price of one GPU-hour in dollars (default: the GPU's listed price, see data/presets/gpus.json)")
-    s.add_argument("--seed", type=_int(0, 2**32 - 1), default=0)
+    s.add_argument("--seed", type=int_flag(0, 2**32 - 1), default=0)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_serve_sim)
 

@@ -487,9 +487,9 @@ def test_a_server_listing_thousands_of_models_is_named_briefly():
 
 # every number flag's parser, on any text: a value within its bounds, or one short line that names the problem
 _NUMBER_PARSERS = {
-    "--batch": lambda: cli._int(1, 10**7), "--timeout": lambda: cli._seconds(False),
+    "--batch": lambda: cli.int_flag(1, 10**7), "--timeout": lambda: cli._seconds(False),
     "--backoff": lambda: cli._seconds(True), "--gpu-hour-usd": lambda: cli._positive_float,
-    "--memory-utilization": lambda: cli._fraction, "--lengths": lambda: cli._length_list,
+    "--memory-utilization": lambda: cli._fraction, "--lengths": lambda: cli.length_list_flag,
     "--depths": lambda: cli._depth_list,
 }
 
