@@ -67,16 +67,22 @@ def _number_text(text, what: str) -> str:
     return s
 
 
+def _read_number(text, what: str, conv=float):
+    """``text`` checked by :func:`_number_text`, and its value by ``conv`` (int or float): ``(stripped text, value)``,
+    or the one-line refusal every number flag gives."""
+    s = _number_text(text, what)
+    try:
+        return s, conv(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {_shown(repr(text))}") from None
+
+
 def int_flag(minimum, maximum=None):
     """An argparse type: an integer in [minimum, maximum] (the messages leave the flag to argparse). The data
     scripts use it too, so their flags refuse what the CLI's refuse ("４", "1_000", 5,000 digits)."""
 
     def parse(text):
-        s = _number_text(text, "an integer")
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {_shown(repr(text))}") from None
+        _, v = _read_number(text, "an integer", int)
         if v < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
         if maximum is not None and v > maximum:
@@ -86,16 +92,11 @@ def int_flag(minimum, maximum=None):
     return parse
 
 
-
 def float_flag(minimum: float, maximum: float):
     """An argparse type: a finite number in [minimum, maximum], refused as :func:`int_flag` refuses."""
 
     def parse(text):
-        s = _number_text(text, "a number")
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
+        s, v = _read_number(text, "a number", float)
         if not minimum <= v <= maximum:
             raise argparse.ArgumentTypeError(f"must be from {minimum:g} to {maximum:g}, got {s}{_rounds_to_zero(s, v)}")
         return v + 0.0  # -0 is 0
@@ -117,11 +118,7 @@ def _rounds_to_zero(s: str, v: float) -> str:
 
 
 def _fraction(text):
-    s = _number_text(text, "a number")
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
+    s, v = _read_number(text, "a number", float)
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}{_rounds_to_zero(s, v)}")
     return v
@@ -624,11 +621,7 @@ def _shown(text, limit: int = 40) -> str:
 
 
 def _positive_float(text):
-    s = _number_text(text, "a number")
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {_shown(repr(text))}") from None
+    s, v = _read_number(text, "a number", float)
     if not (v > 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}{_rounds_to_zero(s, v)}")
     return v
@@ -652,11 +645,7 @@ MIN_TIMEOUT_S = 0.001  # a shorter --timeout could never see an answer (5e-324 i
 def _seconds(allow_zero: bool):
     """A duration flag (--timeout, --backoff): finite, at most a day (:data:`kvlab.endpoint.MAX_TIMEOUT_S`)."""
     def parse(text):
-        s = _number_text(text, "a number of seconds")
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number of seconds, got {_shown(repr(text))}") from None
+        s, v = _read_number(text, "a number of seconds", float)
         from .endpoint import MAX_TIMEOUT_S
 
         if not (0 <= v <= MAX_TIMEOUT_S) or (v == 0 and not allow_zero):
