@@ -54,7 +54,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) --no-browser --ip=127.0.0.1 $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvlab tests benchmarks scripts notebooks
+	$(BIN)/ruff check --no-cache kvlab tests benchmarks scripts notebooks
 
 # Debian's chromium for the real-browser test (installed when missing and we may).
 browser-deps:

@@ -65,8 +65,9 @@ def gpu_info():
 
 def run_cuda(quick: bool, out_dir: Path):
     import triton
-    from kvlab.kernels.decode_attention import decode_attention
     from triton.testing import do_bench
+
+    from kvlab.kernels.decode_attention import decode_attention
 
     name, driver, peak = gpu_info()
     free = torch.cuda.mem_get_info()[0]

@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 
 import torch
-from kvlab.kernels.reference import attend_tiles
 from transformers import DynamicCache
 
 from kvlab.cache import KVQuantCache
 from kvlab.env import cpu_model
 from kvlab.formats import format_names, get_format
 from kvlab.fusion import peak_memory
+from kvlab.kernels.reference import attend_tiles
 from kvlab.models import DATA_DIR, load_model
 from kvlab.paths import out_problem, write_json
 

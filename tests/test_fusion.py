@@ -1,9 +1,9 @@
 import pytest
 import torch
-from kvlab.kernels.reference import decode_attention_reference
 
 from kvlab.formats import get_format
 from kvlab.fusion import peak_memory, tiled_decode, unfused_decode
+from kvlab.kernels.reference import decode_attention_reference
 from kvlab.quant import quantize
 from kvlab.storage import KVStore
 

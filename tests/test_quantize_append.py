@@ -5,7 +5,6 @@ from kvlab.formats import get_format
 
 append = pytest.importorskip("kvlab.kernels.quantize_append", reason="triton is not installed")
 from kvlab.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-
 from kvlab.storage import KVStore  # noqa: E402
 
 allocate = KVStore.allocate

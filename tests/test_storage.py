@@ -2,14 +2,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kvlab.formats import KVFormat, Quantizer, format_names, get_format
 from kvlab.kernels.reference import (
     attend_dense,
     attend_tiles,
     decode_attention_reference,
     merge_partials,
 )
-
-from kvlab.formats import KVFormat, Quantizer, format_names, get_format
 from kvlab.quant import dequantize, quantize
 from kvlab.storage import KVStore, kernel_readable, kernel_unreadable
 
