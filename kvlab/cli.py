@@ -212,6 +212,8 @@ def cmd_formats(args) -> int:
             print(preset)
             for k, v in opts.items():
                 print(f"  {names[k]:<13} {v or 'not available (no documented option stores exactly this)'}")
+            if preset in t.get("conditions", {}):
+                print(f"  needs: {t['conditions'][preset]}")
             if preset in t["notes"]:
                 print(f"  note: {t['notes'][preset]}")
         for fmt, opts in t.get("nearest", {}).items():  # engine formats close to a kvlab one, not exactly it

@@ -39,7 +39,7 @@ import torch
 from . import tasks
 from .cache import KVQuantCache
 from .evals import decode, prefill
-from .formats import get_format
+from .formats import LLAMA_CACHE_TYPES, get_format
 from .metrics import first_divergence, logit_agreement
 
 # kvlab's emulation of QuantizedCache(backend="quanto", nbits=n): asymmetric, 64-channel groups, residual 128.
@@ -142,7 +142,6 @@ def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials
 
 # --------------------------------------------------------------------------- llama.cpp
 
-LLAMA_CACHE_TYPES = ("f16", "q8_0", "q4_0")  # kvlab presets: fp16, q8_0, q4_0
 
 
 def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 2048), depths=(0.0, 0.5, 1.0),

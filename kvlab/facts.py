@@ -1694,7 +1694,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
         # the engine formats added to both sweeps later on the same prompts (sweep_long.py --add-formats)
         "added": added,
-        "added_md": _added_md(added, [smol, gemma]),
+        "added_md": _added_md([f for f in added if f not in plans], [smol, gemma]),  # 6.2's table has the rest
+        "added_in_plans_md": names_md([f for f in added if f in plans]),
         "added_dates": " and ".join(sorted({a.get("date", "?") for sw in sweeps.values() for a in sw.header["added"]})),
         "added_needles_md": " and ".join(short_model_name(mf["name"]) for mf in (smol, gemma)
                                          if added and all(f in mf["by"] for f in added)) or "neither model",

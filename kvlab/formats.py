@@ -30,6 +30,8 @@ from .paths import PRESETS_DIR
 GRANULARITIES = ("tensor", "head", "token", "channel", "group")
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' config.layer_types
 # "int4_token@global": the named format on one layer type only, the other layers in full precision (fp32)
+# llama.cpp --cache-type-k/-v values kvlab runs beside its own presets of the same names (f16: fp16)
+LLAMA_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 MIX_SUFFIXES = {"global": "full_attention", "sliding": "sliding_attention"}
 ELEMENTS = {
     # name: (storage bits, kind)
@@ -360,6 +362,15 @@ def engine_nearest(fmt: str | KVFormat) -> dict[str, str]:
     f = get_format(fmt)
     t = engine_table()
     return {t["engines"][k]["name"]: v for k, v in t.get("nearest", {}).get(f.name, {}).items() if v}
+
+
+def engine_conditions(fmt: str | KVFormat) -> str | None:
+    """What an engine needs before it stores preset ``fmt`` (a GPU generation, an attention backend, a calibrated
+    checkpoint, a default rotation to turn off), in one line; None where the flag alone does it."""
+    f = get_format(fmt)
+    if f.name not in (t := engine_table())["presets"]:
+        raise ValueError(f"{f.name!r} is not a preset; engine conditions exist for presets: {', '.join(t['presets'])}")
+    return t.get("conditions", {}).get(f.name)
 
 
 def engines_offering(formats) -> dict[str, list[str]]:

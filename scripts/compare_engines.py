@@ -43,12 +43,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from kvlab import engines
 from kvlab.cli import MAX_LENGTH, Parser, float_flag, int_flag, path_flag
 from kvlab.env import cpu_model
-from kvlab.models import load_model
+from kvlab.formats import LLAMA_CACHE_TYPES
 from kvlab.paths import RESULTS_DIR, out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +65,7 @@ def main(argv=None) -> dict:
     p.add_argument("--depths", type=float_flag(0, 1), nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int_flag(1, 1000), default=5)
     p.add_argument("--new-tokens", type=int_flag(2, 4096), default=8)
-    p.add_argument("--cache-types", nargs="+", choices=list(engines.LLAMA_CACHE_TYPES), default=None,
+    p.add_argument("--cache-types", nargs="+", choices=list(LLAMA_CACHE_TYPES), default=None,
                    help="llama.cpp: which K/V cache types run, in this order (default: all)")
     p.add_argument("--swa-cache", choices=["full", "window"], default=None,
                    help="llama.cpp: a sliding-window layer's cache holds the whole context ('full', llama-cpp-python's "
@@ -96,6 +93,11 @@ def main(argv=None) -> dict:
                                   if args.llama_server else "engines_hqq.json" if args.hqq else "engines_quanto.json")
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         p.error(f"--out {args.out}: must be a file in an existing folder")
+    import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
+
+    from kvlab import engines
+    from kvlab.models import load_model
+
     torch.manual_seed(0)
     if args.llama_cpp:
         return llama(args)
@@ -122,14 +124,16 @@ def main(argv=None) -> dict:
 
 
 def llama(args) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
+    from kvlab import engines
     from kvlab.models import gemma3_folder, gemma3_gguf, smollm2_folder, smollm2_gguf
 
     gemma = args.model == "gemma3-270m"
     tok = AutoTokenizer.from_pretrained(gemma3_folder() if gemma else smollm2_folder())
     kw = dict(lengths=args.lengths, depths=args.depths, trials=args.trials,
-              cache_types=tuple(args.cache_types or engines.LLAMA_CACHE_TYPES))
+              cache_types=tuple(args.cache_types or LLAMA_CACHE_TYPES))
     if args.quick:
         kw = dict(cache_types=("f16",), lengths=[512], depths=[0.5], trials=1)
     who = ("Gemma 3 270M's GGUF file (Q4_K_M weights)" if gemma

@@ -15,11 +15,9 @@ import platform
 import time
 from pathlib import Path
 
-import torch
-
-from kvlab import evals, results
+from kvlab import results
 from kvlab.cli import Parser, int_flag, length_list_flag
-from kvlab.models import MODEL_DIR, load_model
+from kvlab.paths import MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,6 +106,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     if min(args.lengths) < 64:
         p.error(f"--lengths must be at least 64 tokens each (a passkey prompt needs room), got {min(args.lengths)}")
+    if args.card_only:
+        ev = json.loads((MODEL_DIR / "eval.json").read_text())
+        train = json.loads((MODEL_DIR / "training.json").read_text())
+        (MODEL_DIR / "README.md").write_text(card(train, ev))
+        return
+    import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
+
+    from kvlab import evals
+    from kvlab.models import load_model
+
     if args.prose_only:
         ev = json.loads((MODEL_DIR / "eval.json").read_text())
         model, tok = load_model("kvlab-tiny")
@@ -116,11 +124,7 @@ def main(argv=None):
         ev["passkey_prose"] = {str(n): dict(zip(("correct", "trials"), results.counts(res.rows, length=n)))
                                for n in res.lengths}
         (MODEL_DIR / "eval.json").write_text(json.dumps(ev, indent=1) + "\n")
-        args.card_only = True
-    if args.card_only:
-        ev = json.loads((MODEL_DIR / "eval.json").read_text())
-        train = json.loads((MODEL_DIR / "training.json").read_text())
-        (MODEL_DIR / "README.md").write_text(card(train, ev))
+        (MODEL_DIR / "README.md").write_text(card(json.loads((MODEL_DIR / "training.json").read_text()), ev))
         return
     model, tok = load_model("kvlab-tiny")
     t0 = time.time()

@@ -23,15 +23,10 @@ import json
 import time
 from pathlib import Path
 
-import torch
-import transformers
-
-from kvlab import evals
-from kvlab.cli import Parser
+from kvlab.cli import Parser, path_flag
 from kvlab.env import machine as env_machine
 from kvlab.facts import LADDER_PPL_WINDOWS
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
-from kvlab.models import DEFAULT_MODEL, load_model
 from kvlab.paths import out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,14 +42,16 @@ def all_formats() -> list[KVFormat]:
 
 
 def machine() -> str:
+    import torch
+
     return env_machine(torch.get_num_threads())
 
 
 def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
-    p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "eval_sweep.json")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results" / "eval_sweep.json")
+    p.add_argument("--model", default=None, help="a name kvlab knows or a Hugging Face folder (default: smollm2-135m)")
     p.add_argument("--resume", action="store_true", help="keep the steps --out already holds and run the rest")
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
@@ -62,6 +59,13 @@ def main(argv=None):
     if args.out.exists() and args.out.is_dir():
         p.error(f"--out {args.out} is a directory")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
+    import transformers
+
+    from kvlab import evals
+    from kvlab.models import DEFAULT_MODEL, load_model
+
+    args.model = DEFAULT_MODEL if args.model is None else args.model
     try:
         model, tok = load_model(args.model)
     except (ValueError, OSError) as e:  # an unknown name or a folder without a model: one line

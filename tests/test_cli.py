@@ -577,6 +577,19 @@ def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
     assert r.returncode == 2 and r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag a\\nb\\x1b[2J\n", r.stderr
 
 
+@pytest.mark.parametrize("script", ["sweep_long.py", "compare_engines.py", "eval_model.py", "sweep_evals.py"])
+def test_a_script_refuses_a_flag_before_torch_loads(script):
+    """A mistyped flag costs well under a second: the scripts that run a model import torch only after their flags
+    are checked (train_model.py, whose helpers are torch functions, is the exception)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    code = ("import runpy, sys\n"
+            f"sys.argv = [{str(path)!r}, '--no-such-flag']\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout == "2 False\n" and r.stderr.startswith(f"{script}: error: ") and r.stderr.count("\n") == 1, r
+
+
 @pytest.mark.parametrize("argv, why", [
     (["sweep_long.py", "--per-depth", "４"], "--per-depth: must be an integer written in ASCII digits"),
     (["sweep_long.py", "--lengths", "1_000"], "--lengths: must be an integer without '_'"),

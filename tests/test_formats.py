@@ -100,3 +100,22 @@ def test_nvfp4_steps_change_one_thing_at_a_time_and_end_at_nvfp4():
     for a, b in zip(steps, steps[1:]):
         changed = {k for k, v in asdict(a.key).items() if asdict(b.key)[k] != v} - {"full_range"}  # E2M1 has no -8
         assert len(changed) == 1 and a.key == a.value and b.key == b.value, (a.name, b.name, changed)
+
+
+def test_engine_conditions_name_what_the_engine_options_require():
+    """Each condition belongs to a preset some engine stores, and says what that engine's own option says."""
+    from kvlab.formats import engine_conditions, engine_options, engine_table, engines_offering
+
+    conditions = engine_table()["conditions"]
+    assert set(conditions) >= {"int8", "nvfp4", "q4_0", "int8_tensor"}
+    for name, text in conditions.items():
+        assert engines_offering([name])[name], f"{name}: a condition on a format no engine stores"
+        assert engine_conditions(name) == text
+    assert "TRITON_ATTN" in engine_conditions("int8") and "TRITON_ATTN" in engine_options("int8")["vLLM"]
+    assert "Blackwell" in engine_conditions("nvfp4") and all(
+        "Blackwell" in v or "SM100" in v for v in engine_options("nvfp4").values() if v)
+    assert "LLAMA_ATTN_ROT_DISABLE=1" in engine_conditions("q4_0") and "LLAMA_ATTN_ROT_DISABLE=1" in engine_options("q4_0")["llama.cpp"]
+    assert "ModelOpt" in engine_conditions("int8_tensor") and "ModelOpt" in engine_options("int8_tensor")["TensorRT-LLM"]
+    assert engine_conditions("kivi-4") is None and engine_conditions("bf16") is None
+    with pytest.raises(ValueError, match="not a preset"):
+        engine_conditions("q4_0+rotate")
