@@ -1599,9 +1599,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     eight = [f for f in ("fp8_e4m3", "int8", "q8_0") if f in smol["ppl"] and f in gemma["ppl"]]
     noise = [mf["ppl"][f] for f in eight for mf in (smol, gemma)]  # the 8-bit formats' perplexity changes
     # the call: formats on the shortlist (held on both models' needles, under the perplexity bar on both, offered
-    # by an engine); of those, the fewest GPUs, then the lowest cost
-    safe = [f for f in picks if f not in decide.REFERENCE_FORMATS and plans.get(f)]
-    call = min(safe, key=lambda f: (plans[f]["gpus"], plans[f]["usd_per_million_tokens"])) if safe else None
+    # by an engine); of those, the fewest GPUs; a tie in modelled throughput goes to the format more engines offer
+    choice = decide.choose(plans, rows)
+    call = choice["call"]
     big = next(x for x in B.published_vllm_logs() if x["id"] == CH1_LOG)["reserve_gib"]  # chapter 1.5's log
     plans_big = {"bf16": decide.plan(model, gpu, context, concurrency, "bf16", weights_dtype=weights, reserve_gib=big),
                  "call": decide.plan(model, gpu, context, concurrency, call, weights_dtype=weights, reserve_gib=big)
@@ -1657,6 +1657,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "flat_call": plans_flat.get(call) if call else None,
         # the runner-up on the same GPUs: INT8 per token (vLLM's int8_per_token_head)
         "int8_gap": 1 - plans["int8"]["tokens_per_s"] / plans[call]["tokens_per_s"] if call and plans.get("int8") else None,
+        "tied": choice["tied"], "tied_md": names_md(choice["tied"]), "tie_pct": decide.THROUGHPUT_TIE,
         "int8_engines_md": engines_md(by["int8"]["engines"]),
         "f8_engines_md": engines_md(f8["engines"]),
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
@@ -1814,7 +1815,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(all(n is not None and PPL_TOLERANCE < n < i for n, i in zip(values["added_ppl"].get("nvfp4", [None]), ppl2["int4"])),
                    (values["added_ppl"].get("nvfp4"), ppl2["int4"])),
         "INT8 ties the FP8 call on GPUs and room to spare, within 3% of its modelled throughput, with lower perplexity on both models, offered by vLLM's Triton backend only":
-            _claim(call == "fp8_e4m3" and "int8" in picks and plans["int8"]["gpus"] == plans[call]["gpus"]
+            _claim(call == "fp8_e4m3" and "int8" in choice["tied"] and plans["int8"]["gpus"] == plans[call]["gpus"]
                    and plans["int8"]["spare"] == plans[call]["spare"]
                    and 0 <= values["int8_gap"] < 0.03 and all(i < f for i, f in zip(ppl2["int8"], ppl2[call]))
                    and list(by["int8"]["engines"]) == ["vLLM"] and "Triton" in by["int8"]["engines"]["vLLM"],

@@ -52,6 +52,28 @@ def test_options_rows_and_shortlist():
     assert decide.shortlist(rows) == ["bf16"] and "| yes · not run yet | +2.0% · +3.0% |" in decide.markdown(rows)
 
 
+def test_choose_takes_the_fewest_gpus_and_gives_a_throughput_tie_to_the_most_offered_format():
+    fmts = ["bf16", "fp8_e4m3", "int8", "int8_tensor", "q8_0", "q4_0"]
+    ok = {"held": fmts, "needle": {f: "held" for f in fmts}, "ppl": {f: 0.01 for f in fmts}}
+    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk={"A": ok, "B": ok}, formats=fmts)
+    plans = {f: decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, f) for f in fmts}
+    c = decide.choose(plans, rows)
+    assert c["call"] == "q4_0" and c["tied"] == []  # fewest GPUs first, whatever the engines
+    del plans["q4_0"]
+    c = decide.choose(plans, rows)
+    by = {r["kv_format"]: r for r in rows}
+    assert plans["int8_tensor"]["tokens_per_s"] == pytest.approx(plans["fp8_e4m3"]["tokens_per_s"], rel=1e-3)
+    assert len(by["fp8_e4m3"]["engines"]) > len(by["int8_tensor"]["engines"])  # the tie goes to FP8
+    assert c["call"] == "fp8_e4m3" and c["tied"] == ["int8_tensor", "int8"]  # then by throughput: int8's scales cost 1%
+    assert "q8_0" in c["safe"] and "q8_0" not in c["tied"]  # 4% slower: not a tie at 2%
+    assert decide.choose(plans, rows, tie=0.0)["tied"] in ([], ["int8_tensor"])  # only an exact tie
+    assert "q8_0" in decide.choose(plans, rows, tie=0.1)["tied"]
+    assert decide.choose({f: None for f in fmts}, rows) == {"call": None, "tied": [], "safe": []}
+    for bad in (-0.1, 1, True, float("nan")):
+        with pytest.raises(ValueError, match="tie must be a fraction"):
+            decide.choose(plans, rows, tie=bad)
+
+
 def test_paired_risk_reads_both_shipped_sweeps():
     """Chapter 6's risk is chapter 4's paired verdicts: held on a model means never worse at any length in either
     haystack nor pooled, so a format worse only pooled is not held."""
