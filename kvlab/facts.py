@@ -311,6 +311,13 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
         formats = [n for n in formats if n == "fp32" or all(n in b for b in both)]
     f = _lists(sweep, "filler", formats)
     prose = _lists(sweep, "prose", formats)
+    # a format added later, not yet in at every length: already worse at a finished length, that is its verdict
+    partial = {}
+    for st in SINGLE_NEEDLE if asked else ():
+        cells = [c for c in sweep.table(st) if c["kv_format"] in asked and c["kv_format"] not in formats]
+        for n in dict.fromkeys(c["kv_format"] for c in cells):
+            if n not in partial and (at := [c["length"] for c in cells if c["kv_format"] == n and c["verdict"] == "worse"]):
+                partial[n] = f"worse in {st} at {', '.join(_k(x) for x in at)} so far"
     prose_worse = {n for n, r in prose["by"].items() if r["worse_at"]}
     if not f["measured"]:
         raise ValueError(f"the {sweep.model} sweep has no filler prompts")
@@ -349,7 +356,7 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
         "orders": _lists(sweep, "orders"),
         **{f"{st}_pooled": {f: sweep.paired_pooled(st, f) for f in sweep.formats if f != "fp32"}
            if sweep.lengths(st) else {} for st in ("multikey", "orders")},
-        "pooled": pooled, "held": held, "pooled_only": pooled_only,
+        "pooled": pooled, "held": held, "pooled_only": pooled_only, "partial": partial,
         "needle_tests": tests, "n_needle_tests": {len(t) for t in tests.values()},
         # called worse by the paired rule, yet by no test once Holm corrects for how many tests a format faces
         "holm_rescued": [n for n in f["by"] if n not in held and not holm_worse(tests[n])],
@@ -376,7 +383,10 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
 
 def needle_label(mf: dict, fmt: str) -> str:
     """One model's paired needle verdict for ``fmt``, short (``mf`` is :func:`_model_facts`): "held", or the first
-    test it failed: "worse in filler at 1k, 4k", "worse in prose at 8k", "worse pooled (−6 +0)"."""
+    test it failed: "worse in filler at 1k, 4k", "worse in prose at 8k", "worse pooled (−6 +0)"; for a format
+    whose lengths are not all in yet, "worse in filler at 8k so far" (:func:`_model_facts`' ``partial``)."""
+    if fmt not in mf["by"] and fmt in mf.get("partial", {}):
+        return mf["partial"][fmt]
     if fmt in mf["held"]:
         return "held"
     if at := mf["by"][fmt]["worse_at"]:
@@ -397,7 +407,7 @@ def paired_risk(sweeps: dict | None = None, model_facts: list | None = None) -> 
     if model_facts is None:
         sweeps = sweeps or {m: LongSweep.load(p) for m, p in LONG_SWEEPS.items()}
         model_facts = [_model_facts(sw) for sw in sweeps.values()]
-    return {mf["name"]: {"held": list(mf["held"]), "needle": {f: needle_label(mf, f) for f in mf["by"]},
+    return {mf["name"]: {"held": list(mf["held"]), "needle": {f: needle_label(mf, f) for f in [*mf["by"], *mf["partial"]]},
                          "ppl": dict(mf["ppl"])} for mf in model_facts}
 
 
@@ -1535,6 +1545,12 @@ def _offered_md(fmt: str) -> str:
     return f"{engines_md(list(near))} (near its default)" if near else "no engine"
 
 
+def _partial_where(fmt: str, label: str) -> str:
+    """"worse in filler at 1k, 4k so far" -> "`fmt` (filler, at 1k, 4k)"."""
+    stage, at = label.removeprefix("worse in ").removesuffix(" so far").split(" at ", 1)
+    return f"`{fmt}` ({stage}, at {at})"
+
+
 def _added_md(added: list[str], mfs: list[dict]) -> str:
     """Chapter 6's table of the engine formats added to chapter 4's sweeps later: who offers each, its perplexity
     change and its needle verdict on each model ("not run yet" where that model's needles are still to run)."""
@@ -1542,7 +1558,8 @@ def _added_md(added: list[str], mfs: list[dict]) -> str:
     rows = [f"| format | offered by | perplexity ({who}) | needle, paired ({who}) |", "|---|---|---|---|"]
     for f in added:
         ppl = " · ".join(_pct(mf["ppl"][f]) if f in mf["ppl"] else "—" for mf in mfs)
-        needle = " · ".join(short_needle(needle_label(mf, f) if f in mf["by"] else None) for mf in mfs)
+        needle = " · ".join(short_needle(needle_label(mf, f) if f in mf["by"] or f in mf["partial"] else None)
+                             for mf in mfs)
         rows.append(f"| `{f}` | {_offered_md(f)} | {ppl} | {needle} |")
     return "\n".join(rows)
 
@@ -1697,6 +1714,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "added": added,
         "added_md": _added_md([f for f in added if f not in plans], [smol, gemma]),  # 6.2's table has the rest
         "added_in_plans_md": names_md([f for f in added if f in plans]),
+        "gemma_partial_md": (f"{' and '.join(_partial_where(f, v) for f, v in gemma['partial'].items())} "
+                             f"{'was' if len(gemma['partial']) == 1 else 'were'} already found worse"
+                             if gemma["partial"] else "no format has been found worse at a finished length"),
         "added_dates": " and ".join(sorted({a.get("date", "?") for sw in sweeps.values() for a in sw.header["added"]})),
         "added_needles_md": " and ".join(short_model_name(mf["name"]) for mf in (smol, gemma)
                                          if added and all(f in mf["by"] for f in added)) or "neither model",
@@ -1745,6 +1765,8 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "every format added later has its perplexity on both models, and none has a needle verdict on Gemma yet":
             _claim(all(None not in v for v in values["added_ppl"].values()) and not any(f in gemma["by"] for f in added),
                    values["added_ppl"]),
+        "the formats already found worse on Gemma at a finished length are 4-bit ones over the perplexity bar there":
+            _claim(all(_low_bit(f) and gemma["ppl"].get(f, 0) > PPL_TOLERANCE for f in gemma["partial"]), gemma["partial"]),
         "the 4-bit formats under the perplexity bar on both models are ones no engine offers":
             _claim(not values["low_under_bar_offered"], values["low_under_bar_md"]),
         "every verdict Holm's correction would drop on the original formats belongs to one that misses the perplexity bar":

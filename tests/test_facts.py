@@ -126,6 +126,31 @@ def test_a_format_added_later_counts_in_the_risk_only_once_both_haystacks_are_wh
         assert risk["needle"].get("fp8_e5m2") == needle and ("fp8_e5m2" in risk["held"]) == (needle == "held")
 
 
+def test_a_format_added_later_is_ruled_out_by_a_loss_at_a_finished_length(tmp_path):
+    """Worse at a length already whole is a verdict before the other lengths are in (chapter 6 reads it as
+    "worse ... so far"); a format without such a loss still waits for every length."""
+    import json
+
+    from kvlab.results import LongSweep
+
+    head = {"kind": "header", "model": "m", "formats": {"fp32": {}}, "depths": [0.0], "per_depth": 6}
+    recs = [{"stage": st, "length": n, "depth": 0.0, "index": i, "key": str(i), "correct": {"fp32": True}}
+            for st in ("filler", "prose") for n in (1024, 4096) for i in range(6)]
+    added = [{"kind": "formats", "formats": {"int4_tensor": {"bits_per_element": 4.0}, "int8": {"bits_per_element": 8.0}}}]
+    added += [{"stage": "filler", "length": 1024, "depth": 0.0, "index": i, "key": str(i),  # 4096: not run yet
+               "correct": {"int4_tensor": False, "int8": True}, "added": True} for i in range(6)]
+    p = tmp_path / "s.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in [head, *recs, *added]) + "\n")
+    sw = LongSweep.load(p)
+    mf = facts._model_facts(sw, sw.all_formats)
+    assert mf["partial"] == {"int4_tensor": "worse in filler at 1k so far"} and "int4_tensor" not in mf["by"]
+    risk = facts.paired_risk(model_facts=[mf])["m"]
+    assert risk["needle"]["int4_tensor"] == "worse in filler at 1k so far" and "int4_tensor" not in risk["held"]
+    assert "int8" not in risk["needle"]  # never worse where it ran: no verdict until every length is in
+    assert facts._partial_where("int4_tensor", mf["partial"]["int4_tensor"]) == "`int4_tensor` (filler, at 1k)"
+    assert facts._model_facts(sw)["partial"] == {}  # chapter 4 reads the sweep's own formats only
+
+
 def test_llamacpp_on_gemma_is_tabled_beside_kvlab_with_each_sides_verdict(tmp_path):
     import json
 
