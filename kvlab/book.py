@@ -137,6 +137,9 @@ def export(nb, page_title: str, prev=None, nxt=None) -> str:
     c.TagRemovePreprocessor.remove_cell_tags = {REMOVE}
     exporter = HTMLExporter(config=c, template_name="lab")
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": page_title}})
+    # no chapter writes math, and prices do have dollar signs: MathJax (from a CDN, so absent offline anyway)
+    # would typeset "$2.20 ... $1.15" as a formula
+    body = _MATHJAX.sub("", body)
     head = f"<script src='plotly.min.js'></script><style>{PAGE_CSS}</style>"
     body = body.replace("</head>", head + "</head>", 1)
     top, bottom = _nav(prev, nxt), _nav(prev, nxt, "bottom")
@@ -145,6 +148,7 @@ def export(nb, page_title: str, prev=None, nxt=None) -> str:
     return relink(body.replace("</body>", bottom + "</body>", 1))
 
 
+_MATHJAX = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", re.S)
 _PAGES_RE = "|".join(PAGES)
 _LINK = re.compile(r"""href=(["'])(?:\./)?((?:\d\d_\w+\.ipynb)|(?:""" + _PAGES_RE + r""")\.md)(#[^"']*)?\1""")
 

@@ -69,7 +69,13 @@ def show(chapter: str, section: str, facts) -> None:
         from .check import record
 
         record(getattr(facts, "claims", {}))
-    display(Markdown(render(chapter, section, facts)))
+    display(Markdown(dollars(render(chapter, section, facts))))
+
+
+def dollars(markdown: str) -> str:
+    """``$`` escaped for Jupyter's Markdown, which reads the text between two dollar signs as LaTeX: "$2.20 per
+    million ... $1.15" would otherwise be typeset as one formula (the workbook's prose has prices, no math)."""
+    return re.sub(r"(?<!\\)\$", r"\\$", markdown)
 
 
 def question(chapter: str, name: str, facts, answer: str, folder: Path | None = None) -> dict:

@@ -53,6 +53,20 @@ def test_silent_checks_vanish_and_links_point_at_pages():
     assert 'href="https://example.org/x.ipynb"' in page
 
 
+def test_a_price_stays_a_price_on_the_page():
+    """Two dollar signs in one paragraph are not a formula: the pages load no MathJax, and the chapters' prose
+    escapes "$" for JupyterLab's Markdown (kvlab.prose.dollars)."""
+    from kvlab.prose import dollars
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("x")
+    cell.outputs = [nbformat.v4.new_output("display_data", {"text/markdown": dollars("BF16 $2.20, FP8 **$1.15**")})]
+    nb.cells = [nbformat.v4.new_markdown_cell("# T"), cell]
+    page = book.export(nb, "T")
+    assert "mathjax" not in page.lower() and "$2.20" in page and "$1.15</strong>" in page
+    assert dollars("$2 and $3") == r"\$2 and \$3" and dollars(r"\$2") == r"\$2"  # once, not twice
+
+
 def test_glossary_and_bibliography_are_pages_with_the_anchors_chapters_link():
     import re
 
