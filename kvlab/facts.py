@@ -1545,6 +1545,26 @@ def _offered_md(fmt: str) -> str:
     return f"{engines_md(list(near))} (near its default)" if near else "no engine"
 
 
+def _added_status_md(added: list[str], mfs: list[dict], unmeasured: list[str]) -> str:
+    """Where the needles of the formats added later stand, in a sentence of 6.4: running on some model (none can
+    pass yet; a loss at a finished length already counts) or in on every model."""
+    pending = [mf for mf in mfs if not all(f in mf["by"] for f in added)]
+    if not pending:
+        return "their perplexity and their needles are in on both models (the table below gives those not in 6.2's table)."
+    done = " and ".join(short_model_name(mf["name"]) for mf in mfs if mf not in pending) or "neither model"
+    text = (f"their perplexity is in on both models, their needles on {done} so far, so none of them can pass yet"
+            f" ({names_md(unmeasured)} in 6.2's table wait on "
+            f"{' and '.join(short_model_name(mf['name']) + chr(39) + 's' for mf in pending)} needles; the table below "
+            "gives the others).")
+    partial = [(mf, [_partial_where(f, v) for f, v in mf["partial"].items()]) for mf in pending if mf["partial"]]
+    if partial:
+        text += (" A loss at a length already finished counts, though: "
+                 + "; ".join(f"on {short_model_name(mf['name'])} {' and '.join(w)} "
+                             f"{'was' if len(w) == 1 else 'were'} already found worse" for mf, w in partial)
+                 + " (the table below says \"so far\").")
+    return text
+
+
 def _partial_where(fmt: str, label: str) -> str:
     """"worse in filler at 1k, 4k so far" -> "`fmt` (filler, at 1k, 4k)"."""
     stage, at = label.removeprefix("worse in ").removesuffix(" so far").split(" at ", 1)
@@ -1665,6 +1685,18 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "holm_rescued_all_fail_ppl": all(mf["ppl"].get(f, 0) > PPL_TOLERANCE for mf in (smol, gemma)
                                          for f in mf["holm_rescued"] if f not in holm_added),
         "holm_added_md": names_md(holm_added),
+        # with Holm's correction: formats of the table that would then pass the screen, and those still waiting
+        "holm_extra": (holm_extra := [f for f in formats if f not in picks and by[f]["engines"] and q[f]["measured"]
+                                      and f not in decide.REFERENCE_FORMATS
+                                      and all((f in mf["held"] or f in mf["holm_rescued"]) and mf["ppl"].get(f, 1) < PPL_TOLERANCE
+                                              for mf in (smol, gemma))]),
+        "holm_call_md": (
+            f"With that correction {names_md(holm_extra)} would also pass the screen, on no fewer GPUs than the call, "
+            "so the call stays." if holm_extra else
+            f"Every format Holm would clear misses the perplexity bar anyway (6.2's table) except {names_md(holm_added)}, "
+            "added later, which has no needle verdict on Gemma yet, so the shortlist stays as it is."
+            if [f for f in holm_added if not (q.get(f) or {}).get("measured")] else
+            "Every format Holm would clear misses the perplexity bar anyway (6.2's table), so the shortlist stays as it is."),
         # the one 8-bit format a needle test found worse on SmolLM2
         "added_8bit_worse": [f for f in added if not _low_bit(f) and f in smol["by"] and f not in smol["held"]],
         "e5_pooled": (f"−{smol['pooled']['fp8_e5m2'].lost} +{smol['pooled']['fp8_e5m2'].gained}"
@@ -1713,9 +1745,12 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         # the engine formats added to both sweeps later on the same prompts (sweep_long.py --add-formats)
         "added": added,
         "added_md": _added_md([f for f in added if f not in plans], [smol, gemma]),  # 6.2's table has the rest
-        "gemma_partial_md": (f"{' and '.join(_partial_where(f, v) for f, v in gemma['partial'].items())} "
-                             f"{'was' if len(gemma['partial']) == 1 else 'were'} already found worse"
-                             if gemma["partial"] else "no format has been found worse at a finished length"),
+        "added_status_md": _added_status_md(added, [smol, gemma], [f for f in formats if not q[f]["measured"]]),
+        "unmeasured_plan_md": (
+            f"The table's \"not run yet\" rows ({names_md(unm)}) have perplexity on both models but not yet a needle "
+            "verdict on each (6.4); none of them needs fewer GPUs than the call, so at best one would tie it."
+            if (unm := [f for f in formats if not q[f]["measured"]]) else
+            "Every row has its needle verdicts on both models."),
         "added_dates": " and ".join(sorted({a.get("date", "?") for sw in sweeps.values() for a in sw.header["added"]})),
         "added_needles_md": " and ".join(short_model_name(mf["name"]) for mf in (smol, gemma)
                                          if added and all(f in mf["by"] for f in added)) or "neither model",
@@ -1761,18 +1796,19 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                    and values["added_ppl"]["lmdeploy-int4"][1] > 5 * ppl2["int4"][1]
                    and abs(values["added_ppl"]["lmdeploy-int4"][0] - ppl2["int4"][0]) < 1e-3,
                    (values["added_ppl"].get("lmdeploy-int4"), ppl2["int4"])),
-        "every format added later has its perplexity on both models, and none has a needle verdict on Gemma yet":
-            _claim(all(None not in v for v in values["added_ppl"].values()) and not any(f in gemma["by"] for f in added),
-                   values["added_ppl"]),
+        "every format added later has its perplexity on both models, and is on the shortlist only with its needles in on both":
+            _claim(all(None not in v for v in values["added_ppl"].values())
+                   and all(f not in picks or (f in smol["held"] and f in gemma["held"]) for f in added), values["added_ppl"]),
         "the formats already found worse on Gemma at a finished length are 4-bit ones over the perplexity bar there":
             _claim(all(_low_bit(f) and gemma["ppl"].get(f, 0) > PPL_TOLERANCE for f in gemma["partial"]), gemma["partial"]),
         "the 4-bit formats under the perplexity bar on both models are ones no engine offers":
             _claim(not values["low_under_bar_offered"], values["low_under_bar_md"]),
         "every verdict Holm's correction would drop on the original formats belongs to one that misses the perplexity bar":
             _claim(values["holm_rescued_all_fail_ppl"], values["holm_rescued_md"]),
-        "Holm would clear fp8_e5m2 on SmolLM2 (under the bar), which has no needle verdict on Gemma yet":
-            _claim(values["holm_added"] == ["fp8_e5m2"] and not q.get("fp8_e5m2", {}).get("measured")
-                   and max(values["added_ppl"]["fp8_e5m2"]) < PPL_TOLERANCE, values["holm_added"]),
+        "Holm's correction would not change the call: what it would add needs no fewer GPUs":
+            _claim(call is not None and all(plans.get(f) is None or plans[f]["gpus"] >= plans[call]["gpus"]
+                                            for f in values["holm_extra"] + values["holm_added"]),
+                   (values["holm_extra"], values["holm_added"])),
         "of the 8-bit formats added later, only fp8_e5m2 was found worse on SmolLM2's needles (pooled), and the "
         "8-bit formats of the original sweeps all held there":
             _claim(values["added_8bit_worse"] == ["fp8_e5m2"] and smol["pooled"]["fp8_e5m2"].verdict == "worse"

@@ -151,6 +151,16 @@ def test_a_format_added_later_is_ruled_out_by_a_loss_at_a_finished_length(tmp_pa
     assert facts._model_facts(sw)["partial"] == {}  # chapter 4 reads the sweep's own formats only
 
 
+def test_chapter_6_says_where_the_added_formats_needles_stand_while_they_run_and_once_they_are_in():
+    smol = {"name": "SmolLM2-135M-Instruct", "by": {"a": {}, "b": {}}, "partial": {}}
+    running = {"name": "Gemma 3 270M", "by": {}, "partial": {"b": "worse in filler at 8k so far"}}
+    text = facts._added_status_md(["a", "b"], [smol, running], ["a"])
+    assert "needles on SmolLM2 so far, so none of them can pass yet (`a` in 6.2's table wait on Gemma's needles" in text
+    assert "on Gemma `b` (filler, at 8k) was already found worse" in text
+    done = dict(running, by={"a": {}, "b": {}}, partial={})
+    assert facts._added_status_md(["a", "b"], [smol, done], []).startswith("their perplexity and their needles are in on both")
+
+
 def test_llamacpp_on_gemma_is_tabled_beside_kvlab_with_each_sides_verdict(tmp_path):
     import json
 
