@@ -288,7 +288,7 @@ def markdown(rows: list[dict], quality: bool = True) -> str:
     models = risk_models(rows)
     quality = quality and bool(models)
     head = ("| format | bits an element | cache of the whole load | whole load fits one GPU | sequences one GPU holds | "
-            "decode step | tokens/s | tokens/s vs first row |")
+            "decode step, one GPU full | tokens/s, one GPU | vs first row |")
     rule = "|---|---:|---:|---|---:|---:|---:|---:|"
     if quality:
         who = " · ".join(short_model_name(m) for m in models)

@@ -1903,7 +1903,7 @@ def _plans_md(plans: dict, by: dict) -> str:
     chapter 4's models (paired needle verdict, perplexity change), the engines that offer it."""
     models = risk_models(by.values())
     who = " · ".join(short_model_name(m) for m in models)
-    rows = [f"| format | GPUs | layout | spare | tokens/s | $ / M tokens | needle, paired ({who}) | perplexity ({who}) "
+    rows = [f"| format | GPUs | layout | spare | tokens/s, all GPUs | $ / M tokens | needle, paired ({who}) | perplexity ({who}) "
             "| offered by |", "|---|---:|---|---:|---:|---:|---|---|---|"]
     for f, p in plans.items():
         q = by[f]["quality"]
