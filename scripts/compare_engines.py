@@ -93,6 +93,18 @@ def main(argv=None) -> dict:
                                   if args.llama_server else "engines_hqq.json" if args.hqq else "engines_quanto.json")
     if args.out is not None and (args.out.is_dir() or not args.out.parent.is_dir()):
         p.error(f"--out {args.out}: must be a file in an existing folder")
+    for flag in ("lengths", "depths", "cache_types"):  # a value twice would run (and count) its prompts twice
+        vals = getattr(args, flag) or []
+        if len(set(vals)) < len(vals):
+            p.error(f"--{flag.replace('_', '-')} lists {next(v for v in vals if vals.count(v) > 1)} twice")
+    if args.llama_cpp and args.out is not None and args.out.is_file() and not args.quick:  # resumed by llama()
+        try:
+            old_doc = json.loads(args.out.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            p.error(f"--out {args.out} is not JSON ({type(e).__name__}): not a result this script wrote; move it away")
+        if not isinstance(old_doc, dict) or not isinstance(old_doc.get("cache_types", {}), dict) \
+                or not isinstance(old_doc.get("lengths", []), list):
+            p.error(f"--out {args.out} is not a result this script wrote; move it away")
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
 
     from kvlab import engines
@@ -147,8 +159,8 @@ def llama(args) -> dict:
     # an earlier run with the same model, depths and trials is resumed: its rows are kept, its lengths added
     old = json.loads(args.out.read_text()) if args.out is not None and args.out.is_file() and not args.quick else None
     if old and all(old.get(k) == doc[k] for k in ("model", "depths", "trials")):
-        doc["lengths"] = sorted(set(old["lengths"]) | set(doc["lengths"]))
-        doc["cache_types"] = old["cache_types"]
+        doc["lengths"] = sorted(set(old.get("lengths", [])) | set(doc["lengths"]))
+        doc["cache_types"] = old.get("cache_types", {})
         print(f"resuming {args.out}: {sum(len(v['rows']) for v in old['cache_types'].values())} rows kept")
     elif old:
         print(f"{args.out} was made with another model, depths or trials: it is replaced")

@@ -23,7 +23,7 @@ import json
 import time
 from pathlib import Path
 
-from kvlab.cli import Parser, path_flag
+from kvlab.cli import Parser, _model_name, path_flag
 from kvlab.env import machine as env_machine
 from kvlab.facts import LADDER_PPL_WINDOWS
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
@@ -51,13 +51,20 @@ def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results" / "eval_sweep.json")
-    p.add_argument("--model", default=None, help="a name kvlab knows or a Hugging Face folder (default: smollm2-135m)")
+    p.add_argument("--model", type=_model_name, default=None, help="a name kvlab knows or a Hugging Face folder (default: smollm2-135m)")
     p.add_argument("--resume", action="store_true", help="keep the steps --out already holds and run the rest")
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)
     if args.out.exists() and args.out.is_dir():
         p.error(f"--out {args.out} is a directory")
+    if args.resume and args.out.is_file():  # a file this script did not write is refused before any work
+        try:
+            old_doc = json.loads(args.out.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            p.error(f"--resume: {args.out} is not JSON ({type(e).__name__}); move it away first")
+        if not isinstance(old_doc, dict) or not isinstance(old_doc.get("steps"), dict):
+            p.error(f"--resume: {args.out} is not a sweep this script wrote; move it away first")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
     import transformers

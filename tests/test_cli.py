@@ -577,6 +577,22 @@ def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
     assert r.returncode == 2 and r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag a\\nb\\x1b[2J\n", r.stderr
 
 
+@pytest.mark.parametrize("argv", [["sweep_evals.py", "--resume", "--quick", "--out"],
+                                  ["compare_engines.py", "--llama-cpp", "--lengths", "64", "--out"]])
+@pytest.mark.parametrize("content", ["not json", "[1]"])
+def test_a_script_refuses_an_out_file_it_did_not_write_before_torch_loads(argv, content, tmp_path):
+    out = tmp_path / "old.json"
+    out.write_text(content)
+    path = Path(__file__).resolve().parents[1] / "scripts" / argv[0]
+    code = ("import runpy, sys\n"
+            f"sys.argv = [{str(path)!r}, *{argv[1:] + [str(out)]!r}]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout == "2 False\n" and r.stderr.count("\n") == 1 and "move it away" in r.stderr, r
+    assert out.read_text() == content
+
+
 @pytest.mark.parametrize("script", ["sweep_long.py", "compare_engines.py", "eval_model.py", "sweep_evals.py"])
 def test_a_script_refuses_a_flag_before_torch_loads(script):
     """A mistyped flag costs well under a second: the scripts that run a model import torch only after their flags
@@ -604,6 +620,8 @@ def test_a_script_refuses_a_flag_before_torch_loads(script):
     (["train_model.py", "--max-stages", "0"], "--max-stages: must be >= 1"),
     (["train_model.py", "--out", "/proc/x"], "--out /proc/x: "),
     (["compare_engines.py", "--llama-cpp", "--depths", "2"], "--depths: must be from 0 to 1"),
+    (["compare_engines.py", "--quanto", "--lengths", "512", "512"], "--lengths lists 512 twice"),
+    (["compare_engines.py", "--llama-cpp", "--cache-types", "q4_0", "q4_0"], "--cache-types lists q4_0 twice"),
     (["gpu_check.py", "--out", "/no/such/folder"], "--out /no/such/folder is not a folder"),
 ])
 def test_the_scripts_refuse_bad_values_before_any_work(argv, why, tmp_path, capsys, monkeypatch):
