@@ -84,6 +84,10 @@ def main(argv=None) -> dict:
         p.error("--cache-types is for --llama-cpp")
     if args.quick and not args.llama_cpp:
         p.error("--quick is for --llama-cpp (a smoke test of its first case)")
+    if args.quick and (args.lengths or args.depths != p.get_default("depths") or args.trials != p.get_default("trials")):
+        p.error("--quick runs one fixed case (512 tokens, depth 0.5, one trial): drop --lengths, --depths and --trials")
+    if args.llama_cpp and args.new_tokens != p.get_default("new_tokens"):
+        p.error("--new-tokens is not for --llama-cpp: its passkey run does not read it")
     if (args.quanto or args.hqq) and args.depths != p.get_default("depths"):
         p.error("--depths is not for --quanto or --hqq: their prompts put the needle at depth 0.5")
     if not args.lengths:  # llama.cpp at 8192 tokens adds ~45 minutes on 2 cores: pass --lengths to include it

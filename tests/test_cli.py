@@ -621,6 +621,8 @@ def test_a_script_refuses_a_flag_before_torch_loads(script):
     (["train_model.py", "--out", "/proc/x"], "--out /proc/x: "),
     (["compare_engines.py", "--llama-cpp", "--depths", "2"], "--depths: must be from 0 to 1"),
     (["compare_engines.py", "--quanto", "--lengths", "512", "512"], "--lengths lists 512 twice"),
+    (["compare_engines.py", "--llama-cpp", "--quick", "--trials", "3"], "--quick runs one fixed case"),
+    (["compare_engines.py", "--llama-cpp", "--new-tokens", "16"], "--new-tokens is not for --llama-cpp"),
     (["compare_engines.py", "--llama-cpp", "--cache-types", "q4_0", "q4_0"], "--cache-types lists q4_0 twice"),
     (["gpu_check.py", "--out", "/no/such/folder"], "--out /no/such/folder is not a folder"),
 ])
