@@ -101,8 +101,9 @@ def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--long-trials", type=int_flag(0, 100), default=2, help="prompts per depth at 8k and 16k")
     p.add_argument("--lengths", type=length_list_flag, default="256,512,1024,2048,4096")
-    p.add_argument("--card-only", action="store_true", help="rewrite the model card from the saved eval.json")
-    p.add_argument("--prose-only", action="store_true", help="measure only the prose-haystack passkeys, then the card")
+    only = p.add_mutually_exclusive_group()  # each skips the other's work
+    only.add_argument("--card-only", action="store_true", help="rewrite the model card from the saved eval.json")
+    only.add_argument("--prose-only", action="store_true", help="measure only the prose-haystack passkeys, then the card")
     args = p.parse_args(argv)
     if min(args.lengths) < 64:
         p.error(f"--lengths must be at least 64 tokens each (a passkey prompt needs room), got {min(args.lengths)}")

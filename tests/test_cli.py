@@ -615,6 +615,7 @@ def test_a_script_refuses_a_flag_before_torch_loads(script):
     (["eval_model.py", "--lengths", "abc"], "--lengths: "),
     (["eval_model.py", "--lengths", "10"], "--lengths must be at least 64"),
     (["eval_model.py", "--long-trials", "-1"], "--long-trials: must be >= 0"),
+    (["eval_model.py", "--card-only", "--prose-only"], "not allowed with argument --card-only"),
     (["train_model.py", "--threads", "-1"], "--threads: must be >= 0"),
     (["train_model.py", "--lr", "nan"], "--lr: must be from"),
     (["train_model.py", "--max-stages", "0"], "--max-stages: must be >= 1"),
