@@ -124,7 +124,7 @@ def _fraction(text):
     return v
 
 
-def _model_name(text):
+def model_flag(text):
     """A model name or path: not empty (an empty one would mean the default only by accident)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: give a model name or path")
@@ -668,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "whether they fit, max_concurrency (sequences of --context tokens that fit) and "
                                    "max_context (the longest context --batch sequences can hold in memory: a memory "
                                    "limit, which can exceed the model's own window).")
-    b.add_argument("--model", required=True, type=_model_name, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
+    b.add_argument("--model", required=True, type=model_flag, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
     b.add_argument("--batch", required=True, type=int_flag(1, 10**7))
     b.add_argument("--context", required=True, type=int_flag(1, 10**9), help="tokens per sequence")
     b.add_argument("--kv-dtype", default="bf16", type=_kv_format, help="KV format (see `kvlab formats`)")
@@ -682,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("niah", help="needle-in-a-haystack (or multi-hop) exact match through a KV format")
     n.add_argument("--kv-format", type=_kv_format, help="KV format (see `kvlab formats`); required without --endpoint")
-    n.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
+    n.add_argument("--model", default=None, type=model_flag, help="smollm2-135m (default), gemma3-270m (32k window), kvlab-tiny, "
                                                  "a model folder or a hub name")
     n.add_argument("--lengths", type=length_list_flag, default=[512, 1024, 2048], help="e.g. 512,1024")
     n.add_argument("--depths", type=_depth_list, default=None,
@@ -722,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="an OpenAI-compatible completions server for a model through a kvlab KV format")
     v.add_argument("--kv-format", required=True, type=_kv_format, help="KV format (see `kvlab formats`)")
-    v.add_argument("--model", default=None, type=_model_name, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
+    v.add_argument("--model", default=None, type=model_flag, help="smollm2-135m (default), kvlab-tiny, a model folder or a hub name")
     v.add_argument("--name", help="the model id it answers to (default: the model's path)")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int_flag(0, 65535), default=8000)
@@ -739,7 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", choices=["system-prompt", "chat", "rag", "few-shot"])
     src.add_argument("--trace", help="Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids)")
-    s.add_argument("--model", default="llama-3.1-8b", type=_model_name, help="preset name or config.json path")
+    s.add_argument("--model", default="llama-3.1-8b", type=model_flag, help="preset name or config.json path")
     s.add_argument("--gpu", default="H100-80GB")
     s.add_argument("--kv-dtype", default="bf16", type=_kv_format)
     s.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))

@@ -356,15 +356,15 @@ def choose(plans: dict[str, dict | None], rows: list[dict], tie: float = THROUGH
     the most engines offer (the one you can deploy anywhere), then to throughput.
 
     ``plans``: format -> :func:`plan` (None: no plan holds the load); ``rows``: :func:`options`' rows.
-    Returns ``{"call": format or None, "tied": [formats tied with it, best first], "safe": [the shortlist]}``."""
+    Returns ``{"call": format or None, "tied": [formats tied with it, best first]}``."""
     if not 0 <= tie < 1 or isinstance(tie, bool):
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie!r}")
     engines = {r["kv_format"]: r["engines"] for r in rows}
     safe = [f for f in shortlist(rows) if f not in REFERENCE_FORMATS and plans.get(f)]
     if not safe:
-        return {"call": None, "tied": [], "safe": []}
+        return {"call": None, "tied": []}
     fewest = min(plans[f]["gpus"] for f in safe)
     best = max(plans[f]["tokens_per_s"] for f in safe if plans[f]["gpus"] == fewest)
     tied = sorted((f for f in safe if plans[f]["gpus"] == fewest and plans[f]["tokens_per_s"] >= (1 - tie) * best),
                   key=lambda f: (-len(engines[f]), -plans[f]["tokens_per_s"]))
-    return {"call": tied[0], "tied": tied[1:], "safe": safe}
+    return {"call": tied[0], "tied": tied[1:]}

@@ -143,7 +143,6 @@ def quanto_side_by_side(model, tok, *, nbits=(4, 2), lengths=(512, 1024), trials
 # --------------------------------------------------------------------------- llama.cpp
 
 
-
 def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 2048), depths=(0.0, 0.5, 1.0),
                      trials: int = 5, seed: int = 0, threads: int | None = None, progress: bool = False,
                      done: dict | None = None, on_row=None, swa_full: bool | None = None) -> dict:

@@ -312,12 +312,13 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
     f = _lists(sweep, "filler", formats)
     prose = _lists(sweep, "prose", formats)
     # a format added later, not yet in at every length: already worse at a finished length, that is its verdict
+    # ({format: (haystack, [lengths])}, the first haystack where it was)
     partial = {}
     for st in SINGLE_NEEDLE if asked else ():
-        cells = [c for c in sweep.table(st) if c["kv_format"] in asked and c["kv_format"] not in formats]
-        for n in dict.fromkeys(c["kv_format"] for c in cells):
-            if n not in partial and (at := [c["length"] for c in cells if c["kv_format"] == n and c["verdict"] == "worse"]):
-                partial[n] = f"worse in {st} at {', '.join(_k(x) for x in at)} so far"
+        for c in sweep.table(st):
+            n = c["kv_format"]
+            if n in asked and n not in formats and c["verdict"] == "worse" and partial.setdefault(n, (st, []))[0] == st:
+                partial[n][1].append(c["length"])
     prose_worse = {n for n, r in prose["by"].items() if r["worse_at"]}
     if not f["measured"]:
         raise ValueError(f"the {sweep.model} sweep has no filler prompts")
@@ -386,7 +387,8 @@ def needle_label(mf: dict, fmt: str) -> str:
     test it failed: "worse in filler at 1k, 4k", "worse in prose at 8k", "worse pooled (−6 +0)"; for a format
     whose lengths are not all in yet, "worse in filler at 8k so far" (:func:`_model_facts`' ``partial``)."""
     if fmt not in mf["by"] and fmt in mf.get("partial", {}):
-        return mf["partial"][fmt]
+        stage, at = mf["partial"][fmt]
+        return f"worse in {stage} at {', '.join(_k(n) for n in at)} so far"
     if fmt in mf["held"]:
         return "held"
     if at := mf["by"][fmt]["worse_at"]:
@@ -1552,23 +1554,28 @@ def _added_status_md(added: list[str], mfs: list[dict], unmeasured: list[str]) -
     if not pending:
         return "their perplexity and their needles are in on both models (the table below gives those not in 6.2's table)."
     done = " and ".join(short_model_name(mf["name"]) for mf in mfs if mf not in pending) or "neither model"
+    waiting = " and ".join(f"{short_model_name(mf['name'])}'s" for mf in pending)
     text = (f"their perplexity is in on both models, their needles on {done} so far, so none of them can pass yet"
-            f" ({names_md(unmeasured)} in 6.2's table wait on "
-            f"{' and '.join(short_model_name(mf['name']) + chr(39) + 's' for mf in pending)} needles; the table below "
-            "gives the others).")
-    partial = [(mf, [_partial_where(f, v) for f, v in mf["partial"].items()]) for mf in pending if mf["partial"]]
-    if partial:
+            f" ({names_md(unmeasured)} in 6.2's table wait on {waiting} needles; the table below gives the others).")
+    found = [(short_model_name(mf["name"]), [f"`{f}` ({st}, at {', '.join(_k(n) for n in at)})"
+                                             for f, (st, at) in mf["partial"].items()]) for mf in pending if mf["partial"]]
+    if found:
         text += (" A loss at a length already finished counts, though: "
-                 + "; ".join(f"on {short_model_name(mf['name'])} {' and '.join(w)} "
-                             f"{'was' if len(w) == 1 else 'were'} already found worse" for mf, w in partial)
-                 + " (the table below says \"so far\").")
+                 + "; ".join(f"on {m} {' and '.join(w)} {'was' if len(w) == 1 else 'were'} already found worse"
+                             for m, w in found) + ' (the table below says "so far").')
     return text
 
 
-def _partial_where(fmt: str, label: str) -> str:
-    """"worse in filler at 1k, 4k so far" -> "`fmt` (filler, at 1k, 4k)"."""
-    stage, at = label.removeprefix("worse in ").removesuffix(" so far").split(" at ", 1)
-    return f"`{fmt}` ({stage}, at {at})"
+def _holm_call_md(extra: list[str], waiting: list[str]) -> str:
+    """What Holm's correction would change in chapter 6's call: formats it would let pass (``extra``), or those
+    it would clear that still wait for a needle verdict (``waiting``), or nothing."""
+    if extra:
+        return (f"With that correction {names_md(extra)} would also pass the screen, on no fewer GPUs than the call, "
+                "so the call stays.")
+    if waiting:
+        return (f"Every format Holm would clear misses the perplexity bar anyway (6.2's table) except {names_md(waiting)}, "
+                "added later, which has no needle verdict on Gemma yet, so the shortlist stays as it is.")
+    return "Every format Holm would clear misses the perplexity bar anyway (6.2's table), so the shortlist stays as it is."
 
 
 def _added_md(added: list[str], mfs: list[dict]) -> str:
@@ -1625,6 +1632,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     share1 = decide.step_time(model, 1, context, "bf16", gpu, weights).cache_share
     picks = decide.shortlist(rows)
     q = {f: by[f]["quality"] for f in by}
+    unmeasured = [f for f in formats if not q[f]["measured"]]  # no needle verdict on every model yet
     ppl2 = {f: [smol["ppl"].get(f), gemma["ppl"].get(f)] for f in by}  # perplexity change, SmolLM2 and Gemma
     lo, hi = wilson(CH6_LADDER_PROMPTS // 2, CH6_LADDER_PROMPTS)  # at 50% exact match: the widest interval
     short1 = {f: decide.step_time(model, 1, 4096, f, gpu, weights).seconds for f in ("bf16", "int4")}
@@ -1684,19 +1692,12 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             and all(x is not None and x < PPL_TOLERANCE for x in (smol["ppl"].get(f), gemma["ppl"].get(f)))))),
         "holm_rescued_all_fail_ppl": all(mf["ppl"].get(f, 0) > PPL_TOLERANCE for mf in (smol, gemma)
                                          for f in mf["holm_rescued"] if f not in holm_added),
-        "holm_added_md": names_md(holm_added),
         # with Holm's correction: formats of the table that would then pass the screen, and those still waiting
         "holm_extra": (holm_extra := [f for f in formats if f not in picks and by[f]["engines"] and q[f]["measured"]
                                       and f not in decide.REFERENCE_FORMATS
                                       and all((f in mf["held"] or f in mf["holm_rescued"]) and mf["ppl"].get(f, 1) < PPL_TOLERANCE
                                               for mf in (smol, gemma))]),
-        "holm_call_md": (
-            f"With that correction {names_md(holm_extra)} would also pass the screen, on no fewer GPUs than the call, "
-            "so the call stays." if holm_extra else
-            f"Every format Holm would clear misses the perplexity bar anyway (6.2's table) except {names_md(holm_added)}, "
-            "added later, which has no needle verdict on Gemma yet, so the shortlist stays as it is."
-            if [f for f in holm_added if not (q.get(f) or {}).get("measured")] else
-            "Every format Holm would clear misses the perplexity bar anyway (6.2's table), so the shortlist stays as it is."),
+        "holm_call_md": _holm_call_md(holm_extra, [f for f in holm_added if not (q.get(f) or {}).get("measured")]),
         # the one 8-bit format a needle test found worse on SmolLM2
         "added_8bit_worse": [f for f in added if not _low_bit(f) and f in smol["by"] and f not in smol["held"]],
         "e5_pooled": (f"−{smol['pooled']['fp8_e5m2'].lost} +{smol['pooled']['fp8_e5m2'].gained}"
@@ -1706,7 +1707,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "flat_call": plans_flat.get(call) if call else None,
         # the runner-up on the same GPUs: INT8 per token (vLLM's int8_per_token_head)
         "int8_gap": 1 - plans["int8"]["tokens_per_s"] / plans[call]["tokens_per_s"] if call and plans.get("int8") else None,
-        "tied": choice["tied"], "tied_md": names_md(choice["tied"]), "tie_pct": decide.THROUGHPUT_TIE,
+        "tied_md": names_md(choice["tied"]), "tie_pct": decide.THROUGHPUT_TIE,
         "int8_engines_md": engines_md(by["int8"]["engines"]),
         "f8_engines_md": engines_md(f8["engines"]),
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
@@ -1741,25 +1742,20 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "g_vllm_int4": needle_label(gemma, vllm_near) if vllm_near else "—",
         "ppl_vllm_int4": [smol["ppl"].get(vllm_near), gemma["ppl"].get(vllm_near)] if vllm_near else [None, None],
         "prompts": smol["prompts"] if smol["prompts_all"] == gemma["prompts_all"] and len(smol["prompts_all"]) == 1 else None,
-        "unmeasured_md": names_md([f for f in formats if not q[f]["measured"]]),
+        "unmeasured_md": names_md(unmeasured),
         # the engine formats added to both sweeps later on the same prompts (sweep_long.py --add-formats)
         "added": added,
         "added_md": _added_md([f for f in added if f not in plans], [smol, gemma]),  # 6.2's table has the rest
-        "added_status_md": _added_status_md(added, [smol, gemma], [f for f in formats if not q[f]["measured"]]),
+        "added_status_md": _added_status_md(added, [smol, gemma], unmeasured),
         "unmeasured_plan_md": (
-            f"The table's \"not run yet\" rows ({names_md(unm)}) have perplexity on both models but not yet a needle "
-            "verdict on each (6.4); none of them needs fewer GPUs than the call, so at best one would tie it."
-            if (unm := [f for f in formats if not q[f]["measured"]]) else
-            "Every row has its needle verdicts on both models."),
+            f"The table's \"not run yet\" rows ({names_md(unmeasured)}) have perplexity on both models but not yet a "
+            "needle verdict on each (6.4); none of them needs fewer GPUs than the call, so at best one would tie it."
+            if unmeasured else "Every row has its needle verdicts on both models."),
         "added_dates": " and ".join(sorted({a.get("date", "?") for sw in sweeps.values() for a in sw.header["added"]})),
-        "added_needles_md": " and ".join(short_model_name(mf["name"]) for mf in (smol, gemma)
-                                         if added and all(f in mf["by"] for f in added)) or "neither model",
         "added_ppl": {f: [smol["ppl"].get(f), gemma["ppl"].get(f)] for f in added},
         "added_8bit_md": names_md([f for f in added if not _low_bit(f)]),
         "added_8bit_hi": max((x for f in added if not _low_bit(f) for x in (smol["ppl"].get(f), gemma["ppl"].get(f))
                               if x is not None), default=None),
-        "added_pending_md": " and ".join(f"{short_model_name(mf['name'])}'s" for mf in (smol, gemma)
-                                         if not all(f in mf["by"] for f in added)) or "no model's",
         "added_4bit_md": names_md([f for f in added if _low_bit(f)]),
         "covers_context": gemma["longest"] >= context, "g_head_dim": CH4_HEAD_DIM["gemma3-270m"],
         "s_head_dim": CH4_HEAD_DIM["smollm2-135m"],
@@ -1845,7 +1841,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "chapter 4 ran the same number of prompts at every point on both models":
             _claim(values["prompts"] is not None, (smol["prompts_all"], gemma["prompts_all"])),
         "every format of the table without a verdict on both models is one added to the sweeps later":
-            _claim(set(f for f in formats if not q[f]["measured"]) <= set(added), values["unmeasured_md"]),
+            _claim(set(unmeasured) <= set(added), values["unmeasured_md"]),
         "every plan holds the whole load": _claim(all(p is None or p["replicas"] * p["per_replica"] >= concurrency
                                                       for p in plans.values()), plans),
         "the call needs fewer GPUs than BF16": _claim(call is not None and plans[call]["gpus"] < plans["bf16"]["gpus"],
@@ -1871,17 +1867,18 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "NVFP4 costs less perplexity than int4 on both models but is over the bar on both":
             _claim(all(n is not None and PPL_TOLERANCE < n < i for n, i in zip(values["added_ppl"].get("nvfp4", [None]), ppl2["int4"])),
                    (values["added_ppl"].get("nvfp4"), ppl2["int4"])),
-        "INT8 ties the FP8 call on GPUs and room to spare, within the rule's 2% throughput tie, with lower perplexity on both models, offered by vLLM's Triton backend only":
+        "INT8 ties the FP8 call on GPUs and room to spare, within the rule's throughput tie, with lower perplexity on both models, offered by vLLM's Triton backend only, where more engines offer FP8":
             _claim(call == "fp8_e4m3" and "int8" in choice["tied"] and plans["int8"]["gpus"] == plans[call]["gpus"]
                    and plans["int8"]["spare"] == plans[call]["spare"]
-                   and 0 <= values["int8_gap"] < decide.THROUGHPUT_TIE == 0.02 and all(i < f for i, f in zip(ppl2["int8"], ppl2[call]))
-                   and list(by["int8"]["engines"]) == ["vLLM"] and "Triton" in by["int8"]["engines"]["vLLM"],
+                   and 0 <= values["int8_gap"] < decide.THROUGHPUT_TIE and all(i < f for i, f in zip(ppl2["int8"], ppl2[call]))
+                   and list(by["int8"]["engines"]) == ["vLLM"] and "Triton" in by["int8"]["engines"]["vLLM"]
+                   and len(f8["engines"]) > len(by["int8"]["engines"]),
                    (plans["int8"], values["int8_gap"], ppl2["int8"], ppl2[call], by["int8"]["engines"])),
         "the call held on both models' needles and stayed under the perplexity bar on both":
             _claim(call in smol["held"] and call in gemma["held"] and max(ppl2[call]) < PPL_TOLERANCE, (call, ppl2.get(call))),
         "the formats without a needle verdict on both models need no fewer GPUs than the call":
             _claim(call is not None and all(plans[f] is None or plans[f]["gpus"] >= plans[call]["gpus"]
-                                            for f in formats if not q[f]["measured"]), values["unmeasured_md"]),
+                                            for f in unmeasured), values["unmeasured_md"]),
         "q4_0+rotate, added later, is over the 5% bar and under 20% on both models":
             _claim(None not in (v := values["added_ppl"].get("q4_0+rotate") or [None]) and PPL_TOLERANCE < max(v) < 0.2, v),
         "the 8-bit formats added later stay under the bar (the bar sits above every 8-bit cache measured)":

@@ -106,6 +106,22 @@ def read_text(path: str | Path, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> s
     return text
 
 
+def read_json(path: str | Path, flag: str, shape: dict[str, type]) -> dict:
+    """A JSON result file a script resumes from, or ``ValueError`` naming ``flag``: read as :func:`read_text`
+    reads, a JSON object, and each key of ``shape`` that it holds of that type (a file some other program
+    wrote is refused, not half-resumed)."""
+    text = read_text(path, flag)
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} {shown_path(path)}: not JSON ({e.msg}, line {e.lineno}); move it away") from None
+    wrong = [k for k, t in shape.items() if k in doc and not isinstance(doc[k], t)] if isinstance(doc, dict) else None
+    if wrong is None or wrong:
+        raise ValueError(f"{flag} {shown_path(path)}: not a result this script wrote"
+                         + (f" ({', '.join(wrong)} of the wrong type)" if wrong else "") + "; move it away")
+    return doc
+
+
 class WriteError(OSError, ValueError):
     """A result file could not be written (disk full, quota, permissions changed during the run, the path turned
     into a folder or lost its folder): callers keep the result elsewhere (stdout) and say so."""

@@ -46,7 +46,7 @@ from pathlib import Path
 from kvlab.cli import MAX_LENGTH, Parser, float_flag, int_flag, path_flag
 from kvlab.env import cpu_model
 from kvlab.formats import LLAMA_CACHE_TYPES
-from kvlab.paths import RESULTS_DIR, out_problem, write_json
+from kvlab.paths import RESULTS_DIR, out_problem, read_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,14 +101,12 @@ def main(argv=None) -> dict:
         vals = getattr(args, flag) or []
         if len(set(vals)) < len(vals):
             p.error(f"--{flag.replace('_', '-')} lists {next(v for v in vals if vals.count(v) > 1)} twice")
-    if args.llama_cpp and args.out is not None and args.out.is_file() and not args.quick:  # resumed by llama()
+    args.resumed = None  # an earlier llama.cpp run in --out, read (and checked) before any work; llama() resumes it
+    if args.llama_cpp and args.out is not None and args.out.is_file() and not args.quick:
         try:
-            old_doc = json.loads(args.out.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            p.error(f"--out {args.out} is not JSON ({type(e).__name__}): not a result this script wrote; move it away")
-        if not isinstance(old_doc, dict) or not isinstance(old_doc.get("cache_types", {}), dict) \
-                or not isinstance(old_doc.get("lengths", []), list):
-            p.error(f"--out {args.out} is not a result this script wrote; move it away")
+            args.resumed = read_json(args.out, "--out", {"cache_types": dict, "lengths": list})
+        except ValueError as e:
+            p.error(str(e))
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
 
     from kvlab import engines
@@ -161,7 +159,7 @@ def llama(args) -> dict:
            "model": args.model, "lengths": list(kw["lengths"]), "depths": kw["depths"], "trials": kw["trials"],
            "cache_types": {}}
     # an earlier run with the same model, depths and trials is resumed: its rows are kept, its lengths added
-    old = json.loads(args.out.read_text()) if args.out is not None and args.out.is_file() and not args.quick else None
+    old = args.resumed
     if old and all(old.get(k) == doc[k] for k in ("model", "depths", "trials")):
         doc["lengths"] = sorted(set(old.get("lengths", [])) | set(doc["lengths"]))
         doc["cache_types"] = old.get("cache_types", {})

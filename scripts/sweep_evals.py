@@ -19,15 +19,14 @@ plus how long each part took, on what machine, with which versions.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-from kvlab.cli import Parser, _model_name, path_flag
+from kvlab.cli import Parser, model_flag, path_flag
 from kvlab.env import machine as env_machine
 from kvlab.facts import LADDER_PPL_WINDOWS
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
-from kvlab.paths import out_problem, write_json
+from kvlab.paths import out_problem, read_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,20 +50,21 @@ def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small slice (smoke test)")
     p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results" / "eval_sweep.json")
-    p.add_argument("--model", type=_model_name, default=None, help="a name kvlab knows or a Hugging Face folder (default: smollm2-135m)")
+    p.add_argument("--model", type=model_flag, default=None, help="a name kvlab knows or a Hugging Face folder (default: smollm2-135m)")
     p.add_argument("--resume", action="store_true", help="keep the steps --out already holds and run the rest")
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)
     if args.out.exists() and args.out.is_dir():
         p.error(f"--out {args.out} is a directory")
-    if args.resume and args.out.is_file():  # a file this script did not write is refused before any work
+    old = None  # with --resume, the sweep in --out, read (and checked) before any work
+    if args.resume and args.out.is_file():
         try:
-            old_doc = json.loads(args.out.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            p.error(f"--resume: {args.out} is not JSON ({type(e).__name__}); move it away first")
-        if not isinstance(old_doc, dict) or not isinstance(old_doc.get("steps"), dict):
-            p.error(f"--resume: {args.out} is not a sweep this script wrote; move it away first")
+            old = read_json(args.out, "--out", {"steps": dict, "formats": dict})
+        except ValueError as e:
+            p.error(str(e))
+        if "steps" not in old:
+            p.error(f"--out {args.out}: not a sweep this script wrote (no steps); move it away")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
     import transformers
@@ -91,8 +91,7 @@ def main(argv=None):
            "formats": {f.name: {"source": f.source, "bits_per_element": f.bits_per_element(64),
                                 "passkey": [], "passkey_prose": []} for f in fmts}}
 
-    if args.resume and args.out.exists():
-        old = json.loads(args.out.read_text())
+    if old is not None:
         same = all(old.get(k) == out[k] for k in ("model", "lengths", "depths", "trials", "prefill"))
         if not same or set(old.get("formats", {})) != set(out["formats"]):
             p.error(f"--resume: {args.out} holds a different sweep (model, grid or formats); move it away first")

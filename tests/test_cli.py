@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,22 @@ def test_out_is_refused_before_the_run_when_it_cannot_hold_a_result(tmp_path, ca
         assert "not writable" in out_problem(ro / "r.json")
     assert main(["niah", "--kv-format", "int4", "--model", "kvlab-tiny", "--out", "/dev/null"]) == 2
     assert "not a regular file" in capsys.readouterr().err
+
+
+def test_read_json_takes_only_an_object_of_the_shape_asked(tmp_path):
+    from kvlab.paths import read_json
+
+    f = tmp_path / "r.json"
+    f.write_text('{"steps": {}, "n": 1}')
+    assert read_json(f, "--out", {"steps": dict, "lengths": list}) == {"steps": {}, "n": 1}  # a key absent is fine
+    for text, why in (("not json", "not JSON (Expecting value, line 1)"), ("[1]", "not a result this script wrote"),
+                      ('{"steps": []}', "(steps of the wrong type)"), ("", "the file is empty")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(why)) as e:
+            read_json(f, "--out", {"steps": dict})
+        assert str(e.value).startswith("--out ") and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="no such file"):
+        read_json(tmp_path / "none.json", "--out", {})
 
 
 def test_write_json_is_strict_atomic_and_never_replaces_a_device(tmp_path):

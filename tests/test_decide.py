@@ -65,10 +65,10 @@ def test_choose_takes_the_fewest_gpus_and_gives_a_throughput_tie_to_the_most_off
     assert plans["int8_tensor"]["tokens_per_s"] == pytest.approx(plans["fp8_e4m3"]["tokens_per_s"], rel=1e-3)
     assert len(by["fp8_e4m3"]["engines"]) > len(by["int8_tensor"]["engines"])  # the tie goes to FP8
     assert c["call"] == "fp8_e4m3" and c["tied"] == ["int8_tensor", "int8"]  # then by throughput: int8's scales cost 1%
-    assert "q8_0" in c["safe"] and "q8_0" not in c["tied"]  # 4% slower: not a tie at 2%
+    assert "q8_0" in decide.shortlist(rows) and "q8_0" not in c["tied"]  # on the list, 4% slower: not a tie at 2%
     assert decide.choose(plans, rows, tie=0.0)["tied"] in ([], ["int8_tensor"])  # only an exact tie
     assert "q8_0" in decide.choose(plans, rows, tie=0.1)["tied"]
-    assert decide.choose({f: None for f in fmts}, rows) == {"call": None, "tied": [], "safe": []}
+    assert decide.choose({f: None for f in fmts}, rows) == {"call": None, "tied": []}
     for bad in (-0.1, 1, True, float("nan")):
         with pytest.raises(ValueError, match="tie must be a fraction"):
             decide.choose(plans, rows, tie=bad)

@@ -143,17 +143,16 @@ def test_a_format_added_later_is_ruled_out_by_a_loss_at_a_finished_length(tmp_pa
     p.write_text("\n".join(json.dumps(x) for x in [head, *recs, *added]) + "\n")
     sw = LongSweep.load(p)
     mf = facts._model_facts(sw, sw.all_formats)
-    assert mf["partial"] == {"int4_tensor": "worse in filler at 1k so far"} and "int4_tensor" not in mf["by"]
+    assert mf["partial"] == {"int4_tensor": ("filler", [1024])} and "int4_tensor" not in mf["by"]
     risk = facts.paired_risk(model_facts=[mf])["m"]
     assert risk["needle"]["int4_tensor"] == "worse in filler at 1k so far" and "int4_tensor" not in risk["held"]
     assert "int8" not in risk["needle"]  # never worse where it ran: no verdict until every length is in
-    assert facts._partial_where("int4_tensor", mf["partial"]["int4_tensor"]) == "`int4_tensor` (filler, at 1k)"
     assert facts._model_facts(sw)["partial"] == {}  # chapter 4 reads the sweep's own formats only
 
 
 def test_chapter_6_says_where_the_added_formats_needles_stand_while_they_run_and_once_they_are_in():
     smol = {"name": "SmolLM2-135M-Instruct", "by": {"a": {}, "b": {}}, "partial": {}}
-    running = {"name": "Gemma 3 270M", "by": {}, "partial": {"b": "worse in filler at 8k so far"}}
+    running = {"name": "Gemma 3 270M", "by": {}, "partial": {"b": ("filler", [8192])}}
     text = facts._added_status_md(["a", "b"], [smol, running], ["a"])
     assert "needles on SmolLM2 so far, so none of them can pass yet (`a` in 6.2's table wait on Gemma's needles" in text
     assert "on Gemma `b` (filler, at 8k) was already found worse" in text
