@@ -16,7 +16,6 @@ also how ``make test`` executes the chapters.
 
 from __future__ import annotations
 
-import argparse
 import html
 import re
 import shutil
@@ -24,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from .cli import Parser, int_flag, path_flag
 from .paths import ROOT
 
 NOTEBOOKS_DIR = ROOT / "notebooks"
@@ -218,10 +218,10 @@ def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvlab.book", description="Execute the chapters into a static HTML book.")
-    p.add_argument("out", nargs="?", default=str(ROOT / "build" / "book"), help="folder to write (default build/book)")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
-    p.add_argument("--only", nargs="+", type=Path, help="these notebooks instead of every chapter")
+    p = Parser(prog="python -m kvlab.book", description="Execute the chapters into a static HTML book.")
+    p.add_argument("out", nargs="?", type=path_flag, default=ROOT / "build" / "book", help="folder to write (default build/book)")
+    p.add_argument("--timeout", type=int_flag(1, 86_400), default=900, help="seconds per cell")
+    p.add_argument("--only", nargs="+", type=path_flag, help="these notebooks instead of every chapter")
     args = p.parse_args(argv)
     try:
         report = build(args.out, args.only, timeout=args.timeout)

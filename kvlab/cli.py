@@ -31,12 +31,17 @@ from .paths import WriteError, out_problem, read_text, shown_path
 
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (no usage dump, no value echoed at full length), named by the
-    program: the kvlab CLI's and the scripts' (``--help`` still shows the usage)."""
+    program: the kvlab CLI's and the scripts' (``--help`` still shows the usage). A flag is spelled in full:
+    argparse would take ``--len`` for ``--lengths``, and a prefix that a later flag shares changes meaning."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         if "expected one argument" in message:  # "--batch -inf": argparse took "-inf" for an option
             message += " (a value that starts with '-' goes as --flag=VALUE)"
-        prog = self.prog.split()[0]  # a subcommand's errors are the program's
+        prog = self.prog.removeprefix("python -m ").split()[0]  # a subcommand's errors are the program's
         # argparse quotes unrecognized arguments as typed: escape what would act on a terminal or break the line
         message = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
         message = re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message)

@@ -42,10 +42,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .paths import DATA_DIR, MODEL_DIR, ROOT  # noqa: F401  (MODEL_DIR: kvlab-tiny)
+
+if TYPE_CHECKING:  # torch loads where a model does: naming and checking a model (source()) stays torch-free
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -124,6 +126,7 @@ def _converted_folder(name: str, gguf_path, progress: bool) -> Path:
     if (dest / "model.safetensors").exists():
         return dest
     gguf = gguf_path()
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -217,7 +220,7 @@ def reachable(src: str | Path) -> None:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _source(name_or_path) -> str | Path:
+def source(name_or_path) -> str | Path:
     """What ``from_pretrained`` reads for a model name, checked: reachable, and a folder holds a tokenizer."""
     src = resolve(name_or_path)
     reachable(src)
@@ -233,26 +236,29 @@ def load_tokenizer(name_or_path: str | Path | None = None):
     loads. Same names as :func:`load_model`."""
     from transformers import AutoTokenizer
 
-    src = _source(name_or_path)
+    src = source(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load the tokenizer of {str(src)!r}: {str(e).splitlines()[0]}") from None
 
 
-def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
+def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu", tokenizer=None):
     """``(model, tokenizer)`` in eval mode. Default: SmolLM2-135M-Instruct (see the module docstring).
 
+    ``dtype``: torch.float32 (the default), float16 or bfloat16.
     ``tokenizer``: one already loaded for this model (:func:`load_tokenizer`), used instead of loading it again.
     The model's attention implementation is ``"kvlab"``: SDPA for every cache except a
     :class:`kvlab.cache.KVQuantCache`, whose decode steps read the quantized stores directly.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = torch.float32 if dtype is None else dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
-    src = _source(name_or_path)
+    src = source(name_or_path)
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
@@ -305,9 +311,9 @@ def _register():
     AttentionMaskInterface.register(_CAPTURE, sdpa_mask)  # else transformers builds no mask for it
 
 
-@torch.no_grad()
 def capture(model, input_ids: torch.Tensor) -> Capture:
     """One forward pass; K, V, Q per layer as the model computed them (see module docstring)."""
+    import torch
     from transformers import DynamicCache
 
     global _records
@@ -325,7 +331,8 @@ def capture(model, input_ids: torch.Tensor) -> Capture:
     try:
         model.set_attn_implementation(_CAPTURE)
         cache = DynamicCache(config=model.config)
-        model(input_ids.to(model.device), past_key_values=cache, use_cache=True)
+        with torch.no_grad():
+            model(input_ids.to(model.device), past_key_values=cache, use_cache=True)
         queries, scaling = [q for q, _ in _records], [s for _, s in _records]
     finally:
         _records = None

@@ -65,14 +65,18 @@ def main(argv=None):
             p.error(str(e))
         if "steps" not in old:
             p.error(f"--out {args.out}: not a sweep this script wrote (no steps); move it away")
+    from kvlab.models import DEFAULT_MODEL, load_model, source
+
+    args.model = DEFAULT_MODEL if args.model is None else args.model
+    try:
+        source(args.model)  # a name that names nothing is refused before torch loads
+    except (ValueError, OSError) as e:
+        p.error(f"--model: {e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
     import transformers
 
     from kvlab import evals
-    from kvlab.models import DEFAULT_MODEL, load_model
-
-    args.model = DEFAULT_MODEL if args.model is None else args.model
     try:
         model, tok = load_model(args.model)
     except (ValueError, OSError) as e:  # an unknown name or a folder without a model: one line

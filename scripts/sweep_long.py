@@ -334,8 +334,13 @@ def _main(p, args):
         except ValueError as e:
             p.error(str(e))
 
+    from kvlab.models import load_model, source
+
+    try:
+        source(args.model)  # a name that names nothing is refused before torch loads (seconds)
+    except (ValueError, OSError) as e:
+        p.error(f"--model: {e}")
     from kvlab import tasks
-    from kvlab.models import load_model
 
     lengths = args.lengths or ([] if args.add_formats else [256, 1024] if args.quick else LENGTHS)
     depths = [0.0, 1.0] if args.quick else DEPTHS

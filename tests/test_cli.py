@@ -623,6 +623,29 @@ def test_a_script_refuses_a_flag_before_torch_loads(script):
     assert r.stdout == "2 False\n" and r.stderr.startswith(f"{script}: error: ") and r.stderr.count("\n") == 1, r
 
 
+@pytest.mark.parametrize("argv", [["sweep_long.py", "--lengths", "64", "--model"], ["sweep_evals.py", "--model"]])
+def test_a_script_refuses_a_model_that_names_nothing_before_torch_loads(argv, tmp_path):
+    path = Path(__file__).resolve().parents[1] / "scripts" / argv[0]
+    code = ("import runpy, sys\n"
+            f"sys.argv = [{str(path)!r}, *{argv[1:] + [str(tmp_path / 'no-model'), '--out', str(tmp_path / 'o')]!r}]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout == "2 False\n" and "--model: could not load model" in r.stderr and r.stderr.count("\n") == 1, r
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [["kvlab", "budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gp"],
+                                  ["sweep_long.py", "--length"], ["eval_model.py", "--long-trial"],
+                                  ["kvlab.book", "--tim"]])
+def test_a_flag_is_spelled_in_full(argv):
+    """argparse accepts any unambiguous prefix of a flag by default; kvlab's parsers do not."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    cmd = {"kvlab": ["-m", "kvlab"], "kvlab.book": ["-m", "kvlab.book"]}.get(argv[0], [str(scripts / argv[0])])
+    r = subprocess.run([sys.executable, *cmd, *argv[1:], "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"unrecognized arguments: {argv[-1]}" in r.stderr, r
+
+
 @pytest.mark.parametrize("argv, why", [
     (["sweep_long.py", "--per-depth", "４"], "--per-depth: must be an integer written in ASCII digits"),
     (["sweep_long.py", "--lengths", "1_000"], "--lengths: must be an integer without '_'"),
