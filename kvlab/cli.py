@@ -38,7 +38,21 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):
+        self._argv = sys.argv[1:] if args is None else list(args)
+        return super().parse_args(self._argv, namespace)
+
+    def _unknown_flags(self) -> list[str]:
+        words = getattr(self, "_argv", [])
+        words = words[:words.index("--")] if "--" in words else words
+        return [w for w in words if w.startswith("--") and w.split("=")[0] not in self._option_string_actions]
+
     def error(self, message):
+        # argparse names a missing required flag before an unknown one: "--bogus" alone would be answered with
+        # "one of --quanto --hqq ... is required". A mistyped flag is the likelier cause; name it instead.
+        if message.startswith(("the following arguments are required", "one of the arguments")) \
+                and self._subparsers is None and (unknown := self._unknown_flags()):
+            message = f"unrecognized arguments: {' '.join(unknown)}"
         if "expected one argument" in message:  # "--batch -inf": argparse took "-inf" for an option
             message += " (a value that starts with '-' goes as --flag=VALUE)"
         prog = self.prog.removeprefix("python -m ").split()[0]  # a subcommand's errors are the program's
