@@ -1661,6 +1661,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "plans_flat": plans_flat, "big_reserve_gib": big, "plans_big": plans_big, "tp2_reserve_gib": B.TP_RESERVE_GIB[2],
         "reserve_gib": B.DEFAULT_RESERVE_GIB,
         "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "price_source": B.get_gpu(gpu).price_source,
+        "bandwidth_source": B.get_gpu(gpu).source, "eval_ppl_windows": decide.EVAL_PPL_WINDOWS,
         "bandwidth_tbs": B.get_gpu(gpu).bandwidth_bytes_per_s / 1e12, "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
         "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
         "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
@@ -1702,6 +1703,13 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "added_8bit_worse": [f for f in added if not _low_bit(f) and f in smol["by"] and f not in smol["held"]],
         "e5_pooled": (f"−{smol['pooled']['fp8_e5m2'].lost} +{smol['pooled']['fp8_e5m2'].gained}"
                       if "fp8_e5m2" in smol["pooled"] else "—"),
+        "g_e5": needle_label(gemma, "fp8_e5m2") if "fp8_e5m2" in gemma["by"] else "has no verdict yet",
+        # the near miss the bar decides: kvlab's emulation of llama.cpp's default (rotated) q4_0 cache
+        "q4r_held": (q4r_held := all("q4_0+rotate" in mf["held"] for mf in (smol, gemma))),
+        "q4r_needles_md": ("held on both models' needles" if q4r_held else
+                           " and ".join(f"{needle_label(mf, 'q4_0+rotate')} on {short_model_name(mf['name'])}"
+                                        for mf in (smol, gemma) if "q4_0+rotate" in mf["by"]) or "has no needle verdict"),
+        "q4r_plan": decide.plan(model, gpu, context, concurrency, "q4_0+rotate", weights_dtype=weights),
         "flat_layout": _layout(plans_flat["bf16"]) if plans_flat.get("bf16") else "—",
         "bf_layout": _layout(plans["bf16"]) if plans.get("bf16") else "—",
         "flat_call": plans_flat.get(call) if call else None,
@@ -1750,7 +1758,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "unmeasured_plan_md": (
             f"The table's \"not run yet\" rows ({names_md(unmeasured)}) have perplexity on both models but not yet a "
             "needle verdict on each (6.4); none of them needs fewer GPUs than the call, so at best one would tie it."
-            if unmeasured else "Every row has its needle verdicts on both models."),
+            if unmeasured else ""),
         "added_dates": " and ".join(sorted({a.get("date", "?") for sw in sweeps.values() for a in sw.header["added"]})),
         "added_ppl": {f: [smol["ppl"].get(f), gemma["ppl"].get(f)] for f in added},
         "added_8bit_md": names_md([f for f in added if not _low_bit(f)]),
@@ -1810,6 +1818,16 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(values["added_8bit_worse"] == ["fp8_e5m2"] and smol["pooled"]["fp8_e5m2"].verdict == "worse"
                    and not smol["by"]["fp8_e5m2"]["worse_at"] and not smol["prose"]["by"]["fp8_e5m2"]["worse_at"]
                    and {"fp8_e4m3", "int8", "q8_0"} <= set(smol["held"]), values["added_8bit_worse"]),
+        "fp8_e5m2 held on Gemma's needles": _claim(values["g_e5"] == "held", values["g_e5"]),
+        "int8_tensor ties the call, is stored only by TensorRT-LLM, and cost more perplexity than FP8 on Gemma":
+            _claim("int8_tensor" in choice["tied"] and list(by["int8_tensor"]["engines"]) == ["TensorRT-LLM"]
+                   and ppl2["int8_tensor"][1] > ppl2["fp8_e4m3"][1], (choice["tied"], ppl2["int8_tensor"])),
+        "q4_0+rotate held on both models' needles, misses the bar but would clear a 20% one, and needs fewer GPUs "
+        "than the call":
+            _claim(values["q4r_held"] and None not in values["added_ppl"].get("q4_0+rotate", [None])
+                   and PPL_TOLERANCE < max(values["added_ppl"]["q4_0+rotate"]) < 0.20 and call is not None
+                   and values["q4r_plan"] is not None and values["q4r_plan"]["gpus"] < plans[call]["gpus"],
+                   (values["q4r_needles_md"], values["added_ppl"].get("q4_0+rotate"), values["q4r_plan"])),
         "vLLM, SGLang and TensorRT-LLM all offer FP8 E4M3":
             _claim({"vLLM", "SGLang", "TensorRT-LLM"} <= set(f8["engines"]), f8["engines"]),
         "INT4 holds about 1.8x FP8's sequences": _claim(1.6 < values["int4_over_fp8"] < 2.0, values["int4_over_fp8"]),
