@@ -368,3 +368,31 @@ def choose(plans: dict[str, dict | None], rows: list[dict], tie: float = THROUGH
     tied = sorted((f for f in safe if plans[f]["gpus"] == fewest and plans[f]["tokens_per_s"] >= (1 - tie) * best),
                   key=lambda f: (-len(engines[f]), -plans[f]["tokens_per_s"]))
     return {"call": tied[0], "tied": tied[1:]}
+
+
+def by_engine(plans: dict[str, dict | None], rows: list[dict]) -> dict[str, list[str]]:
+    """For each engine that offers a format of :func:`shortlist`, those formats, best first (fewest GPUs, then
+    modelled throughput): the answer for a reader whose engine is already chosen. Engines in the order the rows
+    name them; the reference (full precision) left out."""
+    out = {}
+    for e in dict.fromkeys(e for r in rows for e in r["engines"]):
+        mine = [r for r in rows if e in r["engines"] or r["kv_format"] in REFERENCE_FORMATS]
+        c = choose(plans, mine)  # the same rule as the call, on this engine's formats (ties: more engines first)
+        if c["call"]:
+            rest = [f for f in shortlist(mine) if f not in REFERENCE_FORMATS and plans.get(f)
+                    and f != c["call"] and f not in c["tied"]]
+            out[e] = [c["call"], *c["tied"], *sorted(rest, key=lambda f: (plans[f]["gpus"], -plans[f]["tokens_per_s"]))]
+    return out
+
+
+def by_engine_md(picks: dict[str, list[str]], plans: dict[str, dict | None], rows: list[dict]) -> str:
+    """:func:`by_engine` as a table: each engine's first format, its flag (the notes after it are in
+    :func:`switch_md`), its GPUs, and the engine's other formats that passed."""
+    flags = {r["kv_format"]: r["engines"] for r in rows}
+    out = ["| engine | format | flag | GPUs | also passed |", "|---|---|---|---:|---|"]
+    for engine, fs in picks.items():
+        first = fs[0]
+        flag = flags[first][engine].partition(" (")[0]
+        also = ", ".join(f"`{f}` ({plans[f]['gpus']})" for f in fs[1:]) or "—"
+        out.append(f"| {engine} | `{first}` | `{flag}` | {plans[first]['gpus']} | {also} |")
+    return "\n".join(out)

@@ -1662,11 +1662,19 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "reserve_gib": B.DEFAULT_RESERVE_GIB,
         "gpu_gib": B.get_gpu(gpu).memory_bytes / B.GIB, "price": B.hourly_price(gpu), "price_source": B.get_gpu(gpu).price_source,
         "bandwidth_source": B.get_gpu(gpu).source, "eval_ppl_windows": decide.EVAL_PPL_WINDOWS,
+        # the answer for a reader whose engine is already chosen: the same rule on that engine's formats
+        "by_engine": (engine_picks := decide.by_engine(plans, rows)),
+        "by_engine_md": decide.by_engine_md(engine_picks, plans, rows),
+        # per-token INT8 against FP8 directly, on the same passages (the paired sign test), each model
+        "int8_vs_fp8": {short_model_name(mf["name"]): sweeps[m].paired_perplexity("int8", reference="fp8_e4m3")
+                        for m, mf in (("smollm2-135m", smol), ("gemma3-270m", gemma))},
         "bandwidth_tbs": B.get_gpu(gpu).bandwidth_bytes_per_s / 1e12, "utilization": 0.9, "call": call, "call_plan": plans.get(call) if call else None,
         "fewest_gpus": fewest_gpus, "at_fewest_md": names_md(at_fewest), "bf_plan": plans["bf16"],
         "rows": rows, "by": by, "curves": curves, "concurrencies": CH6_CONCURRENCIES, "picks": picks,
         "model": model, "gpu": gpu, "context": context, "concurrency": concurrency,
         "bf": bf, "f8": f8, "i4": i4, "step_lo": min(steps), "step_hi": max(steps),
+        "n_formats": len(formats),
+        "per_seq_tps": plans[call]["tokens_per_s"] / concurrency if call and plans.get(call) else None,
         "share1": share1, "small_gain": one["int4"] / one["bf16"], "gain8": at8["int4"] / at8["bf16"] if at8 else None,
         "full": full, "picks_md": names_md([f for f in picks if f not in decide.REFERENCE_FORMATS]), "q": q,
         "ladder_prompts": CH6_LADDER_PROMPTS, "half_width": 100 * (hi - lo) / 2,
@@ -1710,6 +1718,12 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                            " and ".join(f"{needle_label(mf, 'q4_0+rotate')} on {short_model_name(mf['name'])}"
                                         for mf in (smol, gemma) if "q4_0+rotate" in mf["by"]) or "has no needle verdict"),
         "q4r_plan": decide.plan(model, gpu, context, concurrency, "q4_0+rotate", weights_dtype=weights),
+        "q8r_ppl_md": " and ".join(_pct(x) if x is not None else "—" for x in (smol["ppl"].get("q8_0+rotate"),
+                                                                            gemma["ppl"].get("q8_0+rotate"))),
+        "q8r_held": (q8r_held := all("q8_0+rotate" in mf["held"] for mf in (smol, gemma))),
+        "q8r_needles_md": ("held on both models' needles" if q8r_held else
+                           " and ".join(f"{needle_label(mf, 'q8_0+rotate')} on {short_model_name(mf['name'])}"
+                                        for mf in (smol, gemma) if "q8_0+rotate" in mf["by"]) or "has no needle verdict"),
         "flat_layout": _layout(plans_flat["bf16"]) if plans_flat.get("bf16") else "—",
         "bf_layout": _layout(plans["bf16"]) if plans.get("bf16") else "—",
         "flat_call": plans_flat.get(call) if call else None,
@@ -1788,7 +1802,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "FP8 E4M3 is on the shortlist": _claim("fp8_e4m3" in picks, picks),
         "with Holm's correction q4_0 would hold on both models' needles":
             _claim("q4_0" in smol["holm_rescued"] and "q4_0" in gemma["held"], (smol["holm_rescued"], gemma["held"])),
-        "the shortlist is the same at a 10% or 20% bar or with none: the needles alone decide it here":
+        "the shortlist of 6.2's formats is the same at a 10% or 20% bar or with none":
             _claim(all(v == picks for v in values["bar_shortlists"].values()), values["bar_shortlists"]),
         "of the formats added later, the 8-bit ones stayed under the perplexity bar on both models and each 4-bit one "
         "went over it on at least one":
@@ -1819,6 +1833,19 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                    and not smol["by"]["fp8_e5m2"]["worse_at"] and not smol["prose"]["by"]["fp8_e5m2"]["worse_at"]
                    and {"fp8_e4m3", "int8", "q8_0"} <= set(smol["held"]), values["added_8bit_worse"]),
         "fp8_e5m2 held on Gemma's needles": _claim(values["g_e5"] == "held", values["g_e5"]),
+        "q8_0+rotate held on both models' needles and stayed under the bar on both":
+            _claim(values["q8r_held"] and None not in values["added_ppl"].get("q8_0+rotate", [None])
+                   and max(values["added_ppl"]["q8_0+rotate"]) < PPL_TOLERANCE, values["added_ppl"].get("q8_0+rotate")),
+        "the call needs fewer GPUs than BF16": _claim(call is not None and plans[call]["gpus"] < plans["bf16"]["gpus"]),
+        "per-token INT8 and FP8 are not distinguishable on perplexity on either model (paired, same passages), "
+        "nor on the needles pooled over every length and both haystacks":
+            _claim(set(values["int8_vs_fp8"]) == {"SmolLM2", "Gemma"}
+                   and all(r["verdict"] == "not distinguishable" for r in values["int8_vs_fp8"].values())
+                   and all(sw.paired_pooled(("filler", "prose"), "int8", reference="fp8_e4m3").verdict
+                           == "not distinguishable" for sw in sweeps.values()),
+                   {m: r["verdict"] for m, r in values["int8_vs_fp8"].items()}),
+        "with its engine chosen, a reader gets the call wherever that engine offers it":
+            _claim(call is not None and all(fs[0] == call for fs in engine_picks.values() if call in fs), engine_picks),
         "int8_tensor ties the call, is stored only by TensorRT-LLM, and cost more perplexity than FP8 on Gemma":
             _claim("int8_tensor" in choice["tied"] and list(by["int8_tensor"]["engines"]) == ["TensorRT-LLM"]
                    and ppl2["int8_tensor"][1] > ppl2["fp8_e4m3"][1], (choice["tied"], ppl2["int8_tensor"])),

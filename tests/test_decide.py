@@ -74,6 +74,25 @@ def test_choose_takes_the_fewest_gpus_and_gives_a_throughput_tie_to_the_most_off
             decide.choose(plans, rows, tie=bad)
 
 
+def test_by_engine_applies_the_call_rule_to_each_engine_s_own_formats():
+    fmts = ["bf16", "fp8_e4m3", "int8", "int8_tensor", "q8_0", "q4_0"]
+    ok = {"held": fmts, "needle": {f: "held" for f in fmts}, "ppl": {f: 0.01 for f in fmts}}
+    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk={"A": ok, "B": ok}, formats=fmts)
+    plans = {f: decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, f) for f in fmts}
+    picks = decide.by_engine(plans, rows)
+    assert picks["llama.cpp"][0] == "q4_0" and picks["SGLang"] == ["fp8_e4m3"]  # fewest GPUs first, per engine
+    assert picks["vLLM"] == ["fp8_e4m3", "int8"]  # the FP8/INT8 tie goes as in choose()
+    assert picks["TensorRT-LLM"] == ["fp8_e4m3", "int8_tensor"]
+    assert all("bf16" not in fs for fs in picks.values())  # the reference is no answer
+    bad = dict(ok, held=[f for f in fmts if f != "q4_0"])  # q4_0 found worse on one model: llama.cpp falls back
+    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk={"A": ok, "B": bad}, formats=fmts)
+    picks = decide.by_engine(plans, rows)
+    assert picks["llama.cpp"] == ["q8_0"]
+    md = decide.by_engine_md(picks, plans, rows).splitlines()
+    assert md[0].startswith("| engine |") and len(md) == 2 + len(picks)
+    assert any(line.startswith("| vLLM | `fp8_e4m3` | `--kv-cache-dtype fp8` | 3 | `int8` (3) |") for line in md), md
+
+
 def test_paired_risk_reads_both_shipped_sweeps():
     """Chapter 6's risk is chapter 4's paired verdicts: held on a model means never worse at any length in either
     haystack nor pooled, so a format worse only pooled is not held."""
