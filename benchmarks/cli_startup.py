@@ -9,7 +9,6 @@ the same way as the floor. Results, with the machine, go to ``data/results/cli_s
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import platform
 import statistics
@@ -18,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvlab.cli import Parser, int_flag, path_flag
 from kvlab.env import machine
 from kvlab.paths import RESULTS_DIR, out_problem, write_json
 
@@ -41,9 +41,9 @@ COMMANDS = {
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "cli_startup.json")
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int_flag(1, 1000), default=7)
+    p.add_argument("--out", type=path_flag, default=RESULTS_DIR / "cli_startup.json")
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)

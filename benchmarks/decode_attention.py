@@ -18,7 +18,6 @@ interpreter): the script runs a short correctness check and says so.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import platform
@@ -26,6 +25,8 @@ import subprocess
 from pathlib import Path
 
 import torch
+
+from kvlab.cli import Parser, path_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ["bf16", "fp8_e4m3", "fp8_e5m2", "int8", "lmdeploy-int8", "int4", "q4_0", "lmdeploy-int4"]
@@ -125,9 +126,9 @@ def run_cpu():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few small points only")
-    p.add_argument("--out", type=Path, default=ROOT / "data" / "results")
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results")
     args = p.parse_args(argv)
     if torch.cuda.is_available():
         run_cuda(args.quick, args.out)

@@ -18,7 +18,6 @@ time per token, INT4 within 1.5x.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import statistics
 import time
@@ -28,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.cache import KVQuantCache
+from kvlab.cli import MAX_LENGTH, Parser, int_flag, path_flag
 from kvlab.env import cpu_model
 from kvlab.formats import format_names, get_format
 from kvlab.fusion import peak_memory
@@ -61,15 +61,15 @@ def _decode(model, cache, first: torch.Tensor, n: int) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--contexts", type=int_flag(64, MAX_LENGTH), nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--formats", nargs="+", default=None, help="default: every preset")
-    p.add_argument("--tokens", type=int, default=6, help="greedy tokens per cache per round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tokens", type=int_flag(1, 4096), default=6, help="greedy tokens per cache per round")
+    p.add_argument("--rounds", type=int_flag(1, 1000), default=3)
+    p.add_argument("--threads", type=int_flag(1, 1024), default=1)
     p.add_argument("--quick", action="store_true", help="kvlab-tiny, 256 tokens, two formats (a smoke test)")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=path_flag, default=OUT)
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)

@@ -10,7 +10,6 @@ Results, with the machine they came from, go to ``data/results/serving_replay.js
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvlab import serving as S
+from kvlab.cli import MAX_REQUESTS, Parser, int_flag, path_flag
 from kvlab.env import cpu_model
 from kvlab.paths import out_problem
 
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=20_000)
-    p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "serving_replay.json")
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int_flag(1, MAX_REQUESTS), default=20_000)
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results" / "serving_replay.json")
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)

@@ -15,7 +15,6 @@ Reports wall seconds and the ratios to the 1-format run, with the machine, to
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvlab import evals
+from kvlab.cli import MAX_LENGTH, Parser, int_flag, path_flag
 from kvlab.env import cpu_model
 from kvlab.models import load_model
 from kvlab.paths import out_problem
@@ -41,11 +41,11 @@ def timed(fn) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--prompts", type=int, default=5)
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--length", type=int_flag(64, MAX_LENGTH), default=2048)
+    p.add_argument("--prompts", type=int_flag(1, 10_000), default=5)
     p.add_argument("--no-separate", action="store_true", help="skip the slow one-prefill-per-format run")
-    p.add_argument("--out", type=Path, default=ROOT / "data" / "results" / "shared_prefill.json")
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results" / "shared_prefill.json")
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)

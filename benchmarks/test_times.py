@@ -12,9 +12,7 @@ Reads pytest's own summary line ("N passed ... in 64.69s") from the output of a 
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import json
 import platform
 import re
 import subprocess
@@ -22,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from kvlab.cli import Parser, path_flag
 from kvlab.env import machine
-from kvlab.paths import RESULTS_DIR, out_problem, write_json
+from kvlab.paths import RESULTS_DIR, out_problem, read_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMITS_S = {"quick": 60, "test": 15 * 60}  # seconds of tests (pytest's own clock), per the brief
@@ -38,11 +37,11 @@ def pytest_seconds(text: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--run", choices=["quick"], help="run this make target here and time it")
-    p.add_argument("--log", type=Path, help="read a saved run's output instead")
+    p.add_argument("--log", type=path_flag, help="read a saved run's output instead")
     p.add_argument("--target", choices=sorted(LIMITS_S), help="which make target the --log comes from")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "test_times.json")
+    p.add_argument("--out", type=path_flag, default=RESULTS_DIR / "test_times.json")
     args = p.parse_args(argv)
     if bool(args.run) == bool(args.log):
         p.error("give either --run quick or --log FILE --target NAME")
@@ -52,6 +51,13 @@ def main(argv=None) -> int:
         p.error(f"--log {args.log} is not a readable file")
     if why := out_problem(args.out):
         p.error(why)
+    doc = {"what": "seconds of tests (pytest's own clock) per make target, latest run each", "targets": {}}
+    if args.out.is_file():  # read (and checked) before a run, not after it
+        try:
+            doc = read_json(args.out, "--out", {"targets": dict})
+        except ValueError as e:
+            p.error(str(e))
+        doc.setdefault("targets", {})
     target = args.run or args.target
     wall = None
     if args.run:
@@ -67,7 +73,6 @@ def main(argv=None) -> int:
     if not runs:
         p.error("no pytest summary line found ('N passed in Xs')")
     seconds = sum(r["seconds"] for r in runs)
-    doc = json.loads(args.out.read_text()) if args.out.is_file() else {"what": "seconds of tests (pytest's own clock) per make target, latest run each", "targets": {}}
     doc["targets"][target] = {
         "test_seconds": round(seconds, 1), "limit_seconds": LIMITS_S[target], "within_limit": seconds < LIMITS_S[target],
         "runs": runs, "wall_seconds": None if wall is None else round(wall, 1),

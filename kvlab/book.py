@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import Parser, int_flag, path_flag
+from .cli import Parser, int_flag, one_line, path_flag
 from .paths import ROOT
 
 NOTEBOOKS_DIR = ROOT / "notebooks"
@@ -178,9 +178,14 @@ def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int 
     if out.exists() and not out.is_dir():
         raise ValueError(f"out {str(out)!r} exists and is not a folder")
     notebooks = [Path(p) for p in (notebooks or chapters())]
-    for p in notebooks:
+    for p in notebooks:  # every notebook read before anything is written
         if not p.is_file():
             raise FileNotFoundError(f"no notebook at {p}")
+        try:
+            nbformat.validate(nbformat.read(p, as_version=4))
+        except Exception as e:  # not JSON, not UTF-8, not a notebook's shape: nbformat raises each its own way
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"{p} is not a Jupyter notebook ({why})") from None
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", out / "plotly.min.js")
     executed, report = [], {}
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
     try:
         report = build(args.out, args.only, timeout=args.timeout)
     except (ValueError, FileNotFoundError) as e:
-        print(f"kvlab.book: error: {e}", file=sys.stderr)
+        print(f"kvlab.book: error: {'--only: ' if args.only else ''}{one_line(e)}", file=sys.stderr)
         return 2
     print(f"wrote {len(report)} chapters to {args.out}/index.html")
     return 0

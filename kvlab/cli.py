@@ -39,27 +39,50 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
-        self._argv = sys.argv[1:] if args is None else list(args)
-        return super().parse_args(self._argv, namespace)
+        global _PARSING
+        argv = sys.argv[1:] if args is None else list(args)
+        _PARSING = (argv, set(self._option_string_actions))  # a subcommand's parser reads them too (error())
+        return super().parse_args(argv, namespace)
 
     def _unknown_flags(self) -> list[str]:
-        words = getattr(self, "_argv", [])
+        """The words of the command line being parsed that look like flags and that neither this parser nor the
+        top-level one knows (a subcommand's parser is handed only its share of the line, so it reads the whole)."""
+        words, top = _PARSING
         words = words[:words.index("--")] if "--" in words else words
-        return [w for w in words if w.startswith("--") and w.split("=")[0] not in self._option_string_actions]
+        known = set(self._option_string_actions) | top
+        return [w for w in words if w.startswith("-") and len(w) > 1 and not _looks_numeric(w)
+                and w.split("=")[0] not in known]
 
     def error(self, message):
         # argparse names a missing required flag before an unknown one: "--bogus" alone would be answered with
         # "one of --quanto --hqq ... is required". A mistyped flag is the likelier cause; name it instead.
         if message.startswith(("the following arguments are required", "one of the arguments")) \
-                and self._subparsers is None and (unknown := self._unknown_flags()):
+                and (unknown := self._unknown_flags()):
             message = f"unrecognized arguments: {' '.join(unknown)}"
         if "expected one argument" in message:  # "--batch -inf": argparse took "-inf" for an option
             message += " (a value that starts with '-' goes as --flag=VALUE)"
         prog = self.prog.removeprefix("python -m ").split()[0]  # a subcommand's errors are the program's
-        # argparse quotes unrecognized arguments as typed: escape what would act on a terminal or break the line
-        message = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
-        message = re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message)
-        self.exit(2, f"{prog}: error: {_shown(message, MAX_ERROR_CHARS)}\n")
+        self.exit(2, f"{prog}: error: {one_line(message)}\n")
+
+
+def one_line(message: str) -> str:
+    """An error message as one line: what would act on a terminal or break the line escaped (argparse and many
+    errors quote a value as typed), a run of 200 characters without a space cut, the whole cut at
+    :data:`MAX_ERROR_CHARS`."""
+    message = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(message))
+    message = re.sub(r"\S{200,}", lambda m: _shown(m.group(0), 60), message)
+    return _shown(message, MAX_ERROR_CHARS)
+
+
+_PARSING: tuple[list[str], set[str]] = ([], set())  # the command line Parser.parse_args is reading, its top-level flags
+
+
+def _looks_numeric(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
 
 
 MAX_ERROR_CHARS = 400  # an error line is cut here (a long value made of words is one line, not thousands of characters)
@@ -202,7 +225,7 @@ def cmd_budget(args) -> int:
                 out["reserve_bytes_per_gpu"] = f.reserve_bytes_per_gpu
                 out["weights_and_reserve_over_by_bytes"] = -f.free_for_cache_per_gpu
     except (ValueError, TypeError) as e:
-        print(f"kvlab: error: {e}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(out, indent=1, allow_nan=False))
@@ -293,7 +316,7 @@ _ENDPOINT_ONLY = {"compare": None, "tokenizer": None, "endpoint_model": None, "c
 
 def cmd_niah(args) -> int:
     if args.out is not None and (why := out_problem(args.out)):
-        print(f"kvlab: error: {why}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
         return 2
     if args.endpoint is not None:
         return cmd_niah_endpoint(args)
@@ -303,7 +326,7 @@ def cmd_niah(args) -> int:
             print(f"kvlab: error: {flag} is for a run against a server: it needs --endpoint URL", file=sys.stderr)
             return 2
     if why := _task_problem(args):
-        print(f"kvlab: error: {why}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
         return 2
     if args.kv_format is None:
         print("kvlab: error: --kv-format is required (or --endpoint URL to test a running server)", file=sys.stderr)
@@ -315,10 +338,16 @@ def cmd_niah(args) -> int:
                 raise ValueError("--haystack-file is for the passkey task")
             text = read_text(args.haystack_file, "--haystack-file")
     except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"kvlab: error: {e}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    from .models import load_model, load_tokenizer, source
+
+    try:  # a model that names nothing is refused before torch loads
+        source(args.model)
+    except (ValueError, OSError) as e:
+        print(f"kvlab: error: --model: {one_line(e)}", file=sys.stderr)
         return 2
     from . import evals  # the model stack, after the cheap checks
-    from .models import load_model, load_tokenizer
 
     try:  # every prompt is built with the tokenizer alone first: a length the task cannot use is refused in seconds
         tok = load_tokenizer(args.model)
@@ -334,7 +363,7 @@ def cmd_niah(args) -> int:
                                     hops=args.hops, trials=args.trials, seed=args.seed, progress=not args.json,
                                     prefill=args.prefill)
     except (ValueError, FileNotFoundError, TypeError) as e:
-        print(f"kvlab: error: {e}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
     failed_write = False
     if args.out:
@@ -378,7 +407,7 @@ def cmd_niah_endpoint(args) -> int:
     from .paths import write_json
 
     if why := _task_problem(args):
-        print(f"kvlab: error: {why}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
         return 2
     for flag, given in (("--haystack-file", args.haystack_file is not None), ("--chunk", args.chunk is not None)):
         if given:
@@ -410,7 +439,7 @@ def cmd_niah_endpoint(args) -> int:
     interrupted = False
     for path, flag in ((out, "--out"), (journal, "--out's journal")):
         if why := out_problem(path, flag):  # before any request: the answers must have somewhere to go
-            print(f"kvlab: error: {why}", file=sys.stderr)
+            print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
             return 2
     try:  # the journal's own name must fit the folder's limit, and it must not be the result file itself
         too_long = len(os.fsencode(journal.name)) > os.pathconf(journal.parent, "PC_NAME_MAX")
@@ -453,7 +482,7 @@ def cmd_niah_endpoint(args) -> int:
         interrupted = "interrupted" in doc.get("perplexity_errors", {}).values()
         ppl_failed = sum(err != "interrupted" for err in doc.get("perplexity_errors", {}).values())
     except (ValueError, E.EndpointError) as e:
-        print(f"kvlab: error: {e}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
     except E.Interrupted as e:
         print(f"kvlab: {e}", file=sys.stderr)
@@ -524,7 +553,7 @@ def _listen_problem(host: str, port: int) -> str | None:
 
 def cmd_serve(args) -> int:
     if why := _listen_problem(args.host, args.port):
-        print(f"kvlab: error: {why}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
         return 2
     if args.name is not None and (not args.name.strip() or not args.name.isprintable()):
         print(f"kvlab: error: --name {args.name!r} is empty or unprintable", file=sys.stderr)
@@ -546,12 +575,14 @@ def cmd_serve(args) -> int:
 def _serve(args, before) -> int:
     # said before the model loads, so a standard output that cannot be written (a full disk) fails now, not later
     print(f"kvlab: loading {args.model or 'smollm2-135m'} ...", flush=True)
-    from .models import (  # the model stack, after the cheap checks
-        DEFAULT_MODEL,
-        load_model,
-        resolve,
-    )
-    from .server import CompletionServer
+    from .models import DEFAULT_MODEL, load_model, resolve, source
+
+    try:  # a model that names nothing is refused before torch loads
+        source(args.model)
+    except (ValueError, OSError) as e:
+        print(f"kvlab: error: --model: {one_line(e)}", file=sys.stderr)
+        return 2
+    from .server import CompletionServer  # the model stack, after the cheap checks
     try:
         alias = args.model or DEFAULT_MODEL  # a name kvlab knows ("kvlab-tiny") is the id clients send, not its folder's
         name = args.name or (alias.strip() if str(resolve(alias)) != alias else None)
@@ -563,7 +594,7 @@ def _serve(args, before) -> int:
         srv = CompletionServer(model, tok, args.kv_format, name=name, host=args.host, port=args.port,
                                prefill_mode=args.prefill, max_context=args.max_model_len)
     except (ValueError, OSError) as e:
-        print(f"kvlab: error: {e}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"kvlab: serving {srv.name} with a {srv.fmt.name} KV cache (prompt + answer up to {srv.max_context:,} "
           f"tokens) at {srv.url}/v1", flush=True)
@@ -623,7 +654,7 @@ def cmd_serve_sim(args) -> int:
                          block_size=block, memory_utilization=args.memory_utilization)
         price = B.hourly_price(args.gpu, args.gpu_hour_usd)
     except (ValueError, OSError, TypeError) as e:
-        print(f"kvlab: error: {e}", file=sys.stderr)
+        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
     out = res.summary() | {"cost_per_million_output_tokens": res.cost_per_million(price), "gpu_hour_usd": price}
     if args.json:

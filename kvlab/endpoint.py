@@ -82,6 +82,8 @@ def base_url(url: str) -> str:
     if "@" in url.split("//", 1)[-1].split("/", 1)[0]:  # it would be written into the journal and --out
         raise ValueError(f"endpoint URL {shown!r} must not carry credentials (user:password@); set OPENAI_API_KEY "
                          "to send a bearer token")
+    if any(not c.isprintable() or c.isspace() for c in url.strip()):  # urlsplit would drop a tab or newline unseen
+        raise ValueError(f"endpoint URL {shown!r} has spaces or control characters")
     try:
         parts = urlsplit(url.strip())
         parts.port  # noqa: B018 - raises on a bad port

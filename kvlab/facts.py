@@ -1836,7 +1836,6 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "q8_0+rotate held on both models' needles and stayed under the bar on both":
             _claim(values["q8r_held"] and None not in values["added_ppl"].get("q8_0+rotate", [None])
                    and max(values["added_ppl"]["q8_0+rotate"]) < PPL_TOLERANCE, values["added_ppl"].get("q8_0+rotate")),
-        "the call needs fewer GPUs than BF16": _claim(call is not None and plans[call]["gpus"] < plans["bf16"]["gpus"]),
         "per-token INT8 and FP8 are not distinguishable on perplexity on either model (paired, same passages), "
         "nor on the needles pooled over every length and both haystacks":
             _claim(set(values["int8_vs_fp8"]) == {"SmolLM2", "Gemma"}

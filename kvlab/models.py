@@ -193,6 +193,9 @@ def reachable(src: str | Path) -> None:
             return
     except OSError:  # a name too long for the file system: not a folder, and no hub id is that long either
         pass
+    text = str(src)
+    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:  # a hub id is "name" or "org/name"
+        raise ValueError(f"could not load model {text!r}: no such folder (and not a kvlab model: {', '.join(SHIPPED)})")
     import huggingface_hub as hub
     from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 

@@ -79,13 +79,14 @@ def prompt_maker(stage: str, hay: list[int]):
             }.get(stage, tasks.passkey)
 
 
-def _resume_lines(path: Path, p) -> list[dict]:
-    """The records of a sweep file to resume. A last line cut off mid-record (the run was killed while
-    writing it) is dropped from the file, since its prompt will simply run again; any other damage stops
-    the run with one line rather than appending to a file that is not a sweep."""
+def _resume_lines(path: Path, p) -> tuple[list[dict], bool]:
+    """The records of a sweep file to resume, and whether its last line was cut off mid-record (the run was
+    killed while writing it: :func:`_drop_cut_line` drops it once the file is known to be this sweep's, since
+    its prompt will simply run again). Any other damage stops the run with one line rather than appending to
+    a file that is not a sweep. The file is not changed here."""
     text = path.read_text(encoding="utf-8", errors="replace")
     raw = text.splitlines()
-    lines = []
+    lines, cut = [], False
     for i, x in enumerate(raw, start=1):
         if not x.strip():
             continue
@@ -93,10 +94,7 @@ def _resume_lines(path: Path, p) -> list[dict]:
             rec = json.loads(x)
         except (ValueError, RecursionError) as e:  # not JSON, too deep, or an integer of thousands of digits
             if i == len(raw) and i > 1 and not text.endswith("\n"):
-                print(f"{path}:{i}: dropping a record cut off mid-write (a run killed while writing it); the "
-                      "sweep, or --add-formats if it was an added record, measures that prompt again", flush=True)
-                with path.open("r+b") as f:
-                    f.truncate(path.read_bytes().rfind(b"\n") + 1)
+                cut = True
                 break
             why = getattr(e, "msg", None) or type(e).__name__
             p.error(f"{path}:{i} is not a sweep record ({why}); move the file away or fix it")
@@ -109,7 +107,15 @@ def _resume_lines(path: Path, p) -> list[dict]:
         lines.append(rec)
     if not lines:
         p.error(f"{path} holds no sweep header; move the file away")
-    return lines
+    return lines, cut
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Drop the last line of ``path``, cut off mid-write (see :func:`_resume_lines`)."""
+    print(f"{path}: dropping a last record cut off mid-write (a run killed while writing it); the sweep, or "
+          "--add-formats if it was an added record, measures that prompt again", flush=True)
+    with path.open("r+b") as f:
+        f.truncate(path.read_bytes().rfind(b"\n") + 1)
 
 
 def _answer(model, ex, fmts, stage: str, chunk: int) -> dict:
@@ -189,16 +195,18 @@ def add_formats(args, p, model, tok, hay, header: dict, names: list[str]) -> Non
     from kvlab.formats import get_format
     from kvlab.results import LongSweep, outcome_field
 
-    _resume_lines(args.out, p)  # drops a last line cut off mid-write (an interrupted run's)
+    lines, cut = _resume_lines(args.out, p)
+    old = lines[0]
+    for k in ("model", "depths", "per_depth", "haystacks", "chunk"):  # before anything is changed in the file
+        if old.get(k) != header[k]:
+            p.error(f"--add-formats: {args.out} was swept with {k} {old.get(k)!r}, this command gives {header[k]!r}; "
+                    "pass the sweep's own --model, --per-depth, --chunk, --haystack-file (and --quick)")
+    if cut:
+        _drop_cut_line(args.out)  # an interrupted run's last line
     try:
         sweep = LongSweep.load(args.out)
     except ValueError as e:
         p.error(f"--add-formats: {e}; fix the file or run the sweep again into a new one")
-    old = sweep.header
-    for k in ("model", "depths", "per_depth", "haystacks", "chunk"):
-        if old.get(k) != header[k]:
-            p.error(f"--add-formats: {args.out} was swept with {k} {old.get(k)!r}, this command gives {header[k]!r}; "
-                    "pass the sweep's own --model, --per-depth, --chunk, --haystack-file (and --quick)")
     if clash := [n for n in names if n in sweep.formats]:
         p.error(f"--add-formats: {clash} are in the sweep already")
     fmts = [get_format(n) for n in names]
@@ -369,12 +377,14 @@ def _main(p, args):
         return
     done = set()
     if args.out.exists() and args.out.stat().st_size:
-        lines = _resume_lines(args.out, p)
+        lines, cut = _resume_lines(args.out, p)
         old = lines[0]
         same = {n: _definition(v) for n, v in header["formats"].items()} == \
             {n: _definition(v) for n, v in old.get("formats", {}).items()}
         if not same or any(old.get(k) != header[k] for k in ("model", "depths", "per_depth", "haystacks")):
             p.error(f"{args.out} holds a different sweep (model, depths, formats or haystack); move it away first")
+        if cut:
+            _drop_cut_line(args.out)  # an interrupted run's last line: its prompt runs again
         done = {(r["stage"], r["length"], r["depth"], r["index"]) for r in lines[1:] if "stage" in r}
         print(f"resuming: {len(done)} prompts already measured", flush=True)
     # every stage's prompt must fit its shortest length: say so now, not after the header and hours of work

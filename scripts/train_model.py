@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from kvlab import tasks
 from kvlab.cli import Parser, float_flag, int_flag, path_flag
-from kvlab.paths import out_problem
+from kvlab.paths import out_problem, shown_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -265,6 +265,8 @@ def main(argv=None):
     p.add_argument("--continue-stages", action="store_true",
                    help="run the second pass (CONTINUE) instead of the curriculum; use with --init-from")
     args = p.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {shown_path(args.out)} is a file: --out names the folder the model is written to")
     if why := out_problem(args.out / "config.json" if args.out.is_dir() else args.out, "--out"):
         p.error(why)  # before hours of training, not at the first checkpoint
     if args.threads:

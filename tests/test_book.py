@@ -110,6 +110,16 @@ def test_build_refuses_bad_paths(tmp_path):
         book.chapters(tmp_path)
 
 
+@pytest.mark.parametrize("content", [b"#!/bin/sh\n", b"{}", b"[1, 2]", b"\xff\xfe", b'{"cells": 3}'])
+def test_the_book_refuses_a_file_that_is_not_a_notebook_before_writing(tmp_path, content, capsys):
+    bad = tmp_path / "bad.ipynb"
+    bad.write_bytes(content)
+    assert book.main([str(tmp_path / "out"), "--only", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvlab.book: error: --only: {bad} is not a Jupyter notebook") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_every_chapter_executes_into_the_book(built_book):
     out, report = built_book

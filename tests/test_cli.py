@@ -373,7 +373,7 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gpu", ""], "--gpu is empty"),
     (["serve", "--model", "kvlab-tiny", "--kv-format", "int8", "--host", "::1"], "IPv4 only"),
     (["serve-sim", "--workload", "chat", "--requests", "7"], "give a multiple of 5, got 7"),
-    (["niah", "--endpoint", "http://exa mple.com", "--lengths", "64"], "the host has spaces"),
+    (["niah", "--endpoint", "http://exa mple.com", "--lengths", "64"], "has spaces or control characters"),
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--lengths", "64,64"], "lists a value twice"),
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--depths", "0.5,0.5"], "lists a value twice"),
     (["serve-sim", "--trace", "EMPTY", "--seed", "5"], "a --trace is replayed as recorded"),
@@ -381,6 +381,16 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["niah", "--model", " ", "--kv-format", "int8"], "argument --model: is empty"),
     (["niah", "--endpoint", "http://127.0.0.1:1", "--out", "/dev/stdout"], "a device or a process's stream"),
     (["niah", "--endpoint", "http://127.0.0.1:1", "--out", "r1.requests.jsonl"], "is a run's journal"),
+    (["niah", "--kv-format", "int4", "--model", "/no/such/model"], "--model: could not load model '/no/such/model': no such folder"),
+    (["serve", "--kv-format", "int4", "--model", "/no/such/model"], "--model: could not load model '/no/such/model': no such folder"),
+    (["niah", "--kv-format", "int4", "--model", "m" * 5000], "characters)"),
+    (["serve-sim", "--trace", "/no/such\n\x1b[31m"], "/no/such\\n\\x1b[31m"),
+    (["niah", "--endpoint", "http://a\nb"], "has spaces or control characters"),
+    (["budget", "--bogus"], "unrecognized arguments: --bogus"),
+    (["budget", "--model", "llama-3.1-8b", "--bat", "1", "--context", "8"], "unrecognized arguments: --bat"),
+    (["serve-sim", "--work", "rag"], "unrecognized arguments: --work"),
+    (["budget", "-model", "x", "--batch", "1", "--context", "1"], "unrecognized arguments: -model"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_hostile_flags_get_one_line_fast(argv, needle, tmp_path, capsys):
     import time
@@ -668,6 +678,8 @@ def test_a_flag_is_spelled_in_full(argv):
     (["compare_engines.py", "--llama-cpp", "--new-tokens", "16"], "--new-tokens is not for --llama-cpp"),
     (["compare_engines.py", "--llama-cpp", "--cache-types", "q4_0", "q4_0"], "--cache-types lists q4_0 twice"),
     (["gpu_check.py", "--out", "/no/such/folder"], "--out /no/such/folder is not a folder"),
+    (["gpu_check.py", "--out", "/proc"], "--out /proc/gpu_check.json: is a device"),
+    (["train_model.py", "--out", "/etc/passwd"], "is a file: --out names the folder"),
 ])
 def test_the_scripts_refuse_bad_values_before_any_work(argv, why, tmp_path, capsys, monkeypatch):
     """A bad value is refused in one line before a model loads or a file is written (the data scripts use the

@@ -140,7 +140,8 @@ def test_unreachable_server_and_bad_urls():
     with pytest.raises(E.EndpointError, match="cannot connect"):
         ep.models()
     for url, why in [("localhost:8000", "http://"), ("ftp://x", "http://"), ("http://", "no host"),
-                     ("http://h:99999", "Port out of range"), ("http://h/v1?x=1", "query"), ("", "non-empty")]:
+                     ("http://h:99999", "Port out of range"), ("http://h/v1?x=1", "query"), ("", "non-empty"),
+                     ("http://a\nb", "control characters"), ("http://h:8000/a b", "spaces")]:
         with pytest.raises(ValueError, match=why):
             E.Endpoint(url)
     for kw, why in [({"timeout": 0}, "timeout"), ({"retries": -1}, "retries"), ({"backoff": math.nan}, "backoff")]:
@@ -673,7 +674,7 @@ def test_headers_dripped_for_ever_are_cut_off_at_the_timeout():
 
 def test_bad_urls_timeouts_and_retry_after_values_are_clear_errors(stub):
     for url in ("http://\u0663.com", "http://127.0.0.1:1/x\x7f"):
-        with pytest.raises(ValueError, match="not a valid URL"):
+        with pytest.raises(ValueError, match="not a valid URL|control characters"):
             E.Endpoint(url)
     with pytest.raises(ValueError, match="at most"):
         E.Endpoint("http://127.0.0.1:1", timeout=1e10)

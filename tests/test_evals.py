@@ -192,6 +192,11 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
     out.write_text(whole + '{"stage": "filler", "length": 10')  # killed mid-write: the cut-off record is dropped
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "cut off mid-write" in again.stdout and out.read_text() == whole
+    other = tmp_path / "other.jsonl"  # another sweep's file with a cut-off last line: refused, and left as it was
+    cut = whole.splitlines()[0].replace('"kvlab-tiny"', '"another-model"') + '\n{"stage": "filler", "len'
+    other.write_text(cut)
+    r = subprocess.run(cmd[:-1] + [str(other)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "different sweep" in r.stderr and other.read_text() == cut, (r.stderr[-500:], other.read_text())
     bad = tmp_path / "bad.jsonl"
     for damaged in ("hello\n", "[1, 2]\n", whole.splitlines()[0] + '\n{"stage": "filler"}\n'):
         bad.write_text(damaged)

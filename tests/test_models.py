@@ -75,8 +75,11 @@ def test_an_unreachable_hub_name_fails_at_once(monkeypatch, tmp_path):
         asked.append((repo, timeout))
         raise ConnectionError("[Errno -2] Name or service not known")
 
+    for path in ("a/b/c", "/no/such/model", "./here", "~/m"):  # a path, not an id: said as such, before the hub
+        with pytest.raises(ValueError, match="no such folder"):
+            models.load_model(path)
     with pytest.raises(ValueError, match="not a folder, a kvlab model .* or a Hugging Face id"):
-        models.load_model("a/b/c")  # not even an id: the cache lookup says so
+        models.load_model("a b!")  # not even an id: the cache lookup says so
     monkeypatch.setattr(hub, "try_to_load_from_cache", lambda repo, name: None)
     monkeypatch.setattr(hub, "model_info", offline)
     t = time.perf_counter()
