@@ -139,7 +139,8 @@ def vllm_command(plan: dict, context: int, model: str = "YOUR/MODEL", memory_uti
         notes.append(f"on each of {plan['replicas']} replicas ({plan['tp']} GPU{'s' if plan['tp'] > 1 else ''} each), "
                      "behind a load balancer")
     if "fp8" in kv:  # vLLM reads FP8 scales from the checkpoint, else 1.0 (--calculate-kv-scales was removed, PR #49389)
-        notes.append("FP8 scales from a checkpoint calibrated with llm-compressor, else 1.0 (chapter 2)")
+        notes.append("FP8 scales from a checkpoint calibrated with llm-compressor, else 1.0 (chapter 2); "
+                     "compare it with a BF16 server first (chapter 6.5)")
     return line + ("   # " + "; ".join(notes) if notes else "")
 
 
