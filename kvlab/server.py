@@ -532,6 +532,10 @@ class CompletionServer:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> CompletionServer:
+        """Serve from a background thread; a second call (``with server.start():``) is a no-op. Two loops on one
+        socket would outlive close(): shutdown() stops one, and the other spins on the closed socket."""
+        if self._thread is not None and self._thread.is_alive():
+            return self
         # polls for shutdown every 0.1 s (http.server's 0.5 s made every close() wait half a second)
         self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.1,), name=f"kvlab-serve-{self.port}",
                                         daemon=True)

@@ -40,6 +40,17 @@ def _raw(srv, data: bytes, wait: float = 5.0) -> bytes:
     return out
 
 
+def test_start_twice_is_one_server_and_close_leaves_no_thread(shipped):
+    """``with server.start():`` starts once: two serve loops on one socket outlived close() and spun on the
+    closed socket, slowing every test after them."""
+    model, tok = shipped
+    with S.CompletionServer(model, tok, "int8", name="tiny", max_context=64).start() as s:
+        assert s.start() is s
+        assert [t.name for t in threading.enumerate()].count(f"kvlab-serve-{s.port}") == 1
+    time.sleep(0.3)
+    assert not [t for t in threading.enumerate() if t.name == f"kvlab-serve-{s.port}"]
+
+
 def test_the_model_id_is_a_name_not_a_path(shipped):
     model, tok = shipped
     s = S.CompletionServer(model, tok, "fp32")
