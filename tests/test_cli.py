@@ -635,6 +635,7 @@ def test_a_script_refuses_a_flag_before_torch_loads(script):
     assert r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag\n", r
 
 
+@pytest.mark.slow  # subprocesses: make test, not make quick
 @pytest.mark.parametrize("argv", [["sweep_long.py", "--lengths", "64", "--model"], ["sweep_evals.py", "--model"]])
 def test_a_script_refuses_a_model_that_names_nothing_before_torch_loads(argv, tmp_path):
     path = Path(__file__).resolve().parents[1] / "scripts" / argv[0]
@@ -647,6 +648,7 @@ def test_a_script_refuses_a_model_that_names_nothing_before_torch_loads(argv, tm
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # subprocesses: make test, not make quick
 @pytest.mark.parametrize("argv", [["kvlab", "budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--gp"],
                                   ["sweep_long.py", "--length"], ["eval_model.py", "--long-trial"],
                                   ["kvlab.book", "--tim"]])
