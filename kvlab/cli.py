@@ -74,6 +74,18 @@ def one_line(message: str) -> str:
     return _shown(message, MAX_ERROR_CHARS)
 
 
+def model_problem(name) -> str | None:
+    """Why ``name`` cannot be loaded as a model ("--model: could not load ..."), or None: checked without torch
+    (:func:`kvlab.models.source`), so a name that names nothing is refused in a fraction of a second."""
+    from .models import source
+
+    try:
+        source(name)
+    except (ValueError, OSError) as e:
+        return f"--model: {one_line(e)}"
+    return None
+
+
 _PARSING: tuple[list[str], set[str]] = ([], set())  # the command line Parser.parse_args is reading, its top-level flags
 
 
@@ -340,14 +352,11 @@ def cmd_niah(args) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
-    from .models import load_model, load_tokenizer, source
-
-    try:  # a model that names nothing is refused before torch loads
-        source(args.model)
-    except (ValueError, OSError) as e:
-        print(f"kvlab: error: --model: {one_line(e)}", file=sys.stderr)
+    if why := model_problem(args.model):  # before torch loads
+        print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
     from . import evals  # the model stack, after the cheap checks
+    from .models import load_model, load_tokenizer
 
     try:  # every prompt is built with the tokenizer alone first: a length the task cannot use is refused in seconds
         tok = load_tokenizer(args.model)
@@ -575,13 +584,10 @@ def cmd_serve(args) -> int:
 def _serve(args, before) -> int:
     # said before the model loads, so a standard output that cannot be written (a full disk) fails now, not later
     print(f"kvlab: loading {args.model or 'smollm2-135m'} ...", flush=True)
-    from .models import DEFAULT_MODEL, load_model, resolve, source
-
-    try:  # a model that names nothing is refused before torch loads
-        source(args.model)
-    except (ValueError, OSError) as e:
-        print(f"kvlab: error: --model: {one_line(e)}", file=sys.stderr)
+    if why := model_problem(args.model):  # before torch loads
+        print(f"kvlab: error: {why}", file=sys.stderr)
         return 2
+    from .models import DEFAULT_MODEL, load_model, resolve
     from .server import CompletionServer  # the model stack, after the cheap checks
     try:
         alias = args.model or DEFAULT_MODEL  # a name kvlab knows ("kvlab-tiny") is the id clients send, not its folder's

@@ -1578,6 +1578,18 @@ def _holm_call_md(extra: list[str], waiting: list[str]) -> str:
     return "Every format Holm would clear misses the perplexity bar anyway (6.2's table), so the shortlist stays as it is."
 
 
+HELD_ON_BOTH = "held on both models' needles"
+
+
+def _needles_on_both(fmt: str, mfs) -> str:
+    """``fmt``'s needle verdicts on every model (:func:`_model_facts`), as a sentence says them: :data:`HELD_ON_BOTH`,
+    or each model's verdict ("worse in filler at 8k on Gemma and held on SmolLM2")."""
+    if all(fmt in mf["held"] for mf in mfs):
+        return HELD_ON_BOTH
+    return " and ".join(f"{needle_label(mf, fmt)} on {short_model_name(mf['name'])}"
+                        for mf in mfs if fmt in mf["by"]) or "has no needle verdict"
+
+
 def _added_md(added: list[str], mfs: list[dict]) -> str:
     """Chapter 6's table of the engine formats added to chapter 4's sweeps later: who offers each, its perplexity
     change and its needle verdict on each model ("not run yet" where that model's needles are still to run)."""
@@ -1718,17 +1730,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                       if "fp8_e5m2" in smol["pooled"] else "—"),
         "g_e5": needle_label(gemma, "fp8_e5m2") if "fp8_e5m2" in gemma["by"] else "has no verdict yet",
         # the near miss the bar decides: kvlab's emulation of llama.cpp's default (rotated) q4_0 cache
-        "q4r_held": (q4r_held := all("q4_0+rotate" in mf["held"] for mf in (smol, gemma))),
-        "q4r_needles_md": ("held on both models' needles" if q4r_held else
-                           " and ".join(f"{needle_label(mf, 'q4_0+rotate')} on {short_model_name(mf['name'])}"
-                                        for mf in (smol, gemma) if "q4_0+rotate" in mf["by"]) or "has no needle verdict"),
+        "q4r_needles_md": _needles_on_both("q4_0+rotate", (smol, gemma)),
         "q4r_plan": decide.plan(model, gpu, context, concurrency, "q4_0+rotate", weights_dtype=weights),
         "q8r_ppl_md": " and ".join(_pct(x) if x is not None else "—" for x in (smol["ppl"].get("q8_0+rotate"),
                                                                             gemma["ppl"].get("q8_0+rotate"))),
-        "q8r_held": (q8r_held := all("q8_0+rotate" in mf["held"] for mf in (smol, gemma))),
-        "q8r_needles_md": ("held on both models' needles" if q8r_held else
-                           " and ".join(f"{needle_label(mf, 'q8_0+rotate')} on {short_model_name(mf['name'])}"
-                                        for mf in (smol, gemma) if "q8_0+rotate" in mf["by"]) or "has no needle verdict"),
+        "q8r_needles_md": _needles_on_both("q8_0+rotate", (smol, gemma)),
         "flat_layout": _layout(plans_flat["bf16"]) if plans_flat.get("bf16") else "—",
         "bf_layout": _layout(plans["bf16"]) if plans.get("bf16") else "—",
         "flat_call": plans_flat.get(call) if call else None,
@@ -1845,7 +1851,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(values["per_seq_tps"] is not None and values["bf_seq_tps"] is not None
                    and 1 < values["per_seq_tps"] / values["bf_seq_tps"] < 1.5, (values["per_seq_tps"], values["bf_seq_tps"])),
         "q8_0+rotate held on both models' needles and stayed under the bar on both":
-            _claim(values["q8r_held"] and None not in values["added_ppl"].get("q8_0+rotate", [None])
+            _claim(values["q8r_needles_md"] == HELD_ON_BOTH and None not in values["added_ppl"].get("q8_0+rotate", [None])
                    and max(values["added_ppl"]["q8_0+rotate"]) < PPL_TOLERANCE, values["added_ppl"].get("q8_0+rotate")),
         "per-token INT8 and FP8 are not distinguishable on perplexity on either model (paired, same passages), "
         "nor on the needles pooled over every length and both haystacks":
@@ -1861,7 +1867,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                    and ppl2["int8_tensor"][1] > ppl2["fp8_e4m3"][1], (choice["tied"], ppl2["int8_tensor"])),
         "q4_0+rotate held on both models' needles, misses the bar but would clear a 20% one, and needs fewer GPUs "
         "than the call":
-            _claim(values["q4r_held"] and None not in values["added_ppl"].get("q4_0+rotate", [None])
+            _claim(values["q4r_needles_md"] == HELD_ON_BOTH and None not in values["added_ppl"].get("q4_0+rotate", [None])
                    and PPL_TOLERANCE < max(values["added_ppl"]["q4_0+rotate"]) < 0.20 and call is not None
                    and values["q4r_plan"] is not None and values["q4r_plan"]["gpus"] < plans[call]["gpus"],
                    (values["q4r_needles_md"], values["added_ppl"].get("q4_0+rotate"), values["q4r_plan"])),

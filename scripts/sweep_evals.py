@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvlab.cli import Parser, model_flag, path_flag
+from kvlab.cli import Parser, model_flag, model_problem, path_flag
 from kvlab.env import machine as env_machine
 from kvlab.facts import LADDER_PPL_WINDOWS
 from kvlab.formats import KVFormat, format_names, get_format, mitigations
@@ -65,13 +65,11 @@ def main(argv=None):
             p.error(str(e))
         if "steps" not in old:
             p.error(f"--out {args.out}: not a sweep this script wrote (no steps); move it away")
-    from kvlab.models import DEFAULT_MODEL, load_model, source
+    from kvlab.models import DEFAULT_MODEL, load_model
 
     args.model = DEFAULT_MODEL if args.model is None else args.model
-    try:
-        source(args.model)  # a name that names nothing is refused before torch loads
-    except (ValueError, OSError) as e:
-        p.error(f"--model: {e}")
+    if why := model_problem(args.model):  # before torch loads
+        p.error(why)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
     import transformers

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvlab.cli import MAX_LENGTH, Parser, int_flag, path_flag
+from kvlab.cli import MAX_LENGTH, Parser, int_flag, model_problem, path_flag
 from kvlab.paths import out_problem, read_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -342,13 +342,10 @@ def _main(p, args):
         except ValueError as e:
             p.error(str(e))
 
-    from kvlab.models import load_model, source
-
-    try:
-        source(args.model)  # a name that names nothing is refused before torch loads (seconds)
-    except (ValueError, OSError) as e:
-        p.error(f"--model: {e}")
+    if why := model_problem(args.model):  # before torch loads
+        p.error(why)
     from kvlab import tasks
+    from kvlab.models import load_model
 
     lengths = args.lengths or ([] if args.add_formats else [256, 1024] if args.quick else LENGTHS)
     depths = [0.0, 1.0] if args.quick else DEPTHS

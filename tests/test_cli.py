@@ -604,18 +604,24 @@ def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
     assert r.returncode == 2 and r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag a\\nb\\x1b[2J\n", r.stderr
 
 
+def _run_script_in_a_fresh_python(script: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """``scripts/<script> argv`` run as __main__ in a new interpreter; stdout is its exit code and whether torch
+    was imported by then (``"2 False"``: refused before torch loaded)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    code = ("import runpy, sys\n"
+            f"sys.argv = [{str(path)!r}, *{argv!r}]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("argv", [["sweep_evals.py", "--resume", "--quick", "--out"],
                                   ["compare_engines.py", "--llama-cpp", "--lengths", "64", "--out"]])
 @pytest.mark.parametrize("content", ["not json", "[1]"])
 def test_a_script_refuses_an_out_file_it_did_not_write_before_torch_loads(argv, content, tmp_path):
     out = tmp_path / "old.json"
     out.write_text(content)
-    path = Path(__file__).resolve().parents[1] / "scripts" / argv[0]
-    code = ("import runpy, sys\n"
-            f"sys.argv = [{str(path)!r}, *{argv[1:] + [str(out)]!r}]\n"
-            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = _run_script_in_a_fresh_python(argv[0], argv[1:] + [str(out)])
     assert r.stdout == "2 False\n" and r.stderr.count("\n") == 1 and "move it away" in r.stderr, r
     assert out.read_text() == content
 
@@ -624,12 +630,7 @@ def test_a_script_refuses_an_out_file_it_did_not_write_before_torch_loads(argv, 
 def test_a_script_refuses_a_flag_before_torch_loads(script):
     """A mistyped flag costs well under a second: the scripts that run a model import torch only after their flags
     are checked (train_model.py, whose helpers are torch functions, is the exception)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / script
-    code = ("import runpy, sys\n"
-            f"sys.argv = [{str(path)!r}, '--no-such-flag']\n"
-            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = _run_script_in_a_fresh_python(script, ["--no-such-flag"])
     assert r.stdout == "2 False\n" and r.stderr.count("\n") == 1, r
     # named even where a required choice is missing too (compare_engines.py needs a mode)
     assert r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag\n", r
@@ -638,12 +639,7 @@ def test_a_script_refuses_a_flag_before_torch_loads(script):
 @pytest.mark.slow  # subprocesses: make test, not make quick
 @pytest.mark.parametrize("argv", [["sweep_long.py", "--lengths", "64", "--model"], ["sweep_evals.py", "--model"]])
 def test_a_script_refuses_a_model_that_names_nothing_before_torch_loads(argv, tmp_path):
-    path = Path(__file__).resolve().parents[1] / "scripts" / argv[0]
-    code = ("import runpy, sys\n"
-            f"sys.argv = [{str(path)!r}, *{argv[1:] + [str(tmp_path / 'no-model'), '--out', str(tmp_path / 'o')]!r}]\n"
-            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-            "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    r = _run_script_in_a_fresh_python(argv[0], argv[1:] + [str(tmp_path / "no-model"), "--out", str(tmp_path / "o")])
     assert r.stdout == "2 False\n" and "--model: could not load model" in r.stderr and r.stderr.count("\n") == 1, r
     assert not (tmp_path / "o").exists()
 

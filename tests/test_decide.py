@@ -52,11 +52,18 @@ def test_options_rows_and_shortlist():
     assert decide.shortlist(rows) == ["bf16"] and "| yes · not run yet | +2.0% · +3.0% |" in decide.markdown(rows)
 
 
+SIX = ["bf16", "fp8_e4m3", "int8", "int8_tensor", "q8_0", "q4_0"]
+HELD = {"held": SIX, "needle": {f: "held" for f in SIX}, "ppl": {f: 0.01 for f in SIX}}  # every format passed
+
+
+def _six(risk_b=HELD):
+    """Rows and plans of chapter 6's deployment for :data:`SIX`, model A held everywhere, model B as given."""
+    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk={"A": HELD, "B": risk_b}, formats=SIX)
+    return rows, {f: decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, f) for f in SIX}
+
+
 def test_choose_takes_the_fewest_gpus_and_gives_a_throughput_tie_to_the_most_offered_format():
-    fmts = ["bf16", "fp8_e4m3", "int8", "int8_tensor", "q8_0", "q4_0"]
-    ok = {"held": fmts, "needle": {f: "held" for f in fmts}, "ppl": {f: 0.01 for f in fmts}}
-    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk={"A": ok, "B": ok}, formats=fmts)
-    plans = {f: decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, f) for f in fmts}
+    rows, plans = _six()
     c = decide.choose(plans, rows)
     assert c["call"] == "q4_0" and c["tied"] == []  # fewest GPUs first, whatever the engines
     del plans["q4_0"]
@@ -68,24 +75,20 @@ def test_choose_takes_the_fewest_gpus_and_gives_a_throughput_tie_to_the_most_off
     assert "q8_0" in decide.shortlist(rows) and "q8_0" not in c["tied"]  # on the list, 4% slower: not a tie at 2%
     assert decide.choose(plans, rows, tie=0.0)["tied"] in ([], ["int8_tensor"])  # only an exact tie
     assert "q8_0" in decide.choose(plans, rows, tie=0.1)["tied"]
-    assert decide.choose({f: None for f in fmts}, rows) == {"call": None, "tied": []}
+    assert decide.choose({f: None for f in SIX}, rows) == {"call": None, "tied": []}
     for bad in (-0.1, 1, True, float("nan")):
         with pytest.raises(ValueError, match="tie must be a fraction"):
             decide.choose(plans, rows, tie=bad)
 
 
 def test_by_engine_applies_the_call_rule_to_each_engine_s_own_formats():
-    fmts = ["bf16", "fp8_e4m3", "int8", "int8_tensor", "q8_0", "q4_0"]
-    ok = {"held": fmts, "needle": {f: "held" for f in fmts}, "ppl": {f: 0.01 for f in fmts}}
-    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk={"A": ok, "B": ok}, formats=fmts)
-    plans = {f: decide.plan("llama-3.1-8b", "H100-80GB", 32768, 64, f) for f in fmts}
+    rows, plans = _six()
     picks = decide.by_engine(plans, rows)
     assert picks["llama.cpp"][0] == "q4_0" and picks["SGLang"] == ["fp8_e4m3"]  # fewest GPUs first, per engine
     assert picks["vLLM"] == ["fp8_e4m3", "int8"]  # the FP8/INT8 tie goes as in choose()
     assert picks["TensorRT-LLM"] == ["fp8_e4m3", "int8_tensor"]
     assert all("bf16" not in fs for fs in picks.values())  # the reference is no answer
-    bad = dict(ok, held=[f for f in fmts if f != "q4_0"])  # q4_0 found worse on one model: llama.cpp falls back
-    rows = decide.options("llama-3.1-8b", "H100-80GB", 32768, 64, risk={"A": ok, "B": bad}, formats=fmts)
+    rows, plans = _six(dict(HELD, held=[f for f in SIX if f != "q4_0"]))  # q4_0 worse on one model: llama.cpp falls back
     picks = decide.by_engine(plans, rows)
     assert picks["llama.cpp"] == ["q8_0"]
     md = decide.by_engine_md(picks, plans, rows).splitlines()
