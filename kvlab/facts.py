@@ -517,6 +517,42 @@ def _mitigations_md(m: dict) -> str:
             "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
+def _keys_md(keys: list[str]) -> str:
+    """["q4_0 8192", "q4_0 32768", "int8 32768"] as "`q4_0` (8k, 32k), `int8` (32k)"."""
+    at = {}
+    for key in keys:
+        f, n = key.split()
+        at.setdefault(f, []).append(_k(int(n)))
+    return ", ".join(f"`{f}` ({', '.join(ns)})" for f, ns in at.items())
+
+
+def _modes_md(modes: dict) -> str:
+    """One format's two prefill modes on the same prompts ({"q4_0 8192": Paired, ...}), in words."""
+    if not modes:
+        return ""
+    worse = [f.split()[0] for f, pr in modes.items() if pr.verdict == "worse"]
+    better = [f.split()[0] for f, pr in modes.items() if pr.verdict == "better"]
+    shown = ", ".join(f"`{f.split()[0]}` −{pr.lost} +{pr.gained} (p = {pr.p:.2f})" for f, pr in modes.items()
+                      if pr.lost or pr.gained)
+    apart = ([f"worse with the prompt reading the cache for {names_md(worse)}"] if worse else []) + (
+        [f"better with the prompt reading the cache for {names_md(better)}"] if better else [])
+    return (("the paired test finds the quantized prefill " + " and ".join(apart) if apart
+             else "the paired test cannot tell the two modes apart for any format")
+            + (f" (prompts the quantized prefill lost and gained: {shown})" if shown else ""))
+
+
+def _cached_at_md(m: dict, n: int) -> str:
+    """One length of a model's prompt-reads-the-cache stage: each format against full precision (whose answers
+    come from the filler stage, the same prompts), and against its own answers with the prompt in full precision."""
+    c, t = m["cached"]["ref"][n]
+    keys = [k for k in m["cached_vs_full"] if k.endswith(f" {n}")]
+    return (f"at {_k(n)} (full precision {c} of {t}), with the prompt reading the cache, paired: " + "; ".join(
+        f"`{k.split()[0]}` found {m['cached_vs_full'][k]['cached'][0]} (against {m['cached_vs_full'][k]['full'][0]} "
+        f"with the prompt in full precision; against full precision −{m['cached']['c'][k]['lost']} "
+        f"+{m['cached']['c'][k]['gained']}, {m['cached']['c'][k]['verdict']})" for k in keys)
+        + f". Set against its own full-prefill answers on the same prompts, {m['cached_modes_at'][n]}.")
+
+
 def _stage_md(models: list[dict], stage: str) -> str:
     """Per model, what the paired test found in one stage of the sweep, or that the stage was not run."""
     lines = []
@@ -992,27 +1028,35 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         m = values[k]
         modes = {f: v["paired"] for f, v in m["cached_vs_full"].items()}
         worse = [f for f, pr in modes.items() if pr.verdict == "worse"]
-        shown = ", ".join(f"`{f.split()[0]}` −{pr.lost} +{pr.gained} (p = {pr.p:.2f})" for f, pr in modes.items()
-                          if pr.lost or pr.gained)
         m["cached_modes_worse"] = worse
-        m["cached_modes_md"] = "" if not modes else (
-            ("the paired test tells the two modes apart for " + names_md([f.split()[0] for f in worse])
-             if worse else "the paired test cannot tell the two modes apart for any format")
-            + (f" (prompts the quantized prefill lost and gained: {shown})" if shown else ""))
+        m["cached_modes_md"] = _modes_md(modes)
+        # the same, one length at a time ({G[cached_modes_at][8192]} in a template)
+        m["cached_modes_at"] = {n: _modes_md({f: pr for f, pr in modes.items() if f.endswith(f" {n}")})
+                                for n in m["cached"]["lengths"]}
+        m["cached_modes_worse_at"] = {n: [f for f in worse if f.endswith(f" {n}")] for n in m["cached"]["lengths"]}
+        m["cached_at_md"] = {n: _cached_at_md(m, n) for n in m["cached"]["lengths"]}
         # worse than full precision with the prompt reading the cache, not worse there with it in full precision
         m["cached_new"] = [key for key in m["cached_vs_full"] if m["cached"]["c"][key]["verdict"] == "worse"
                            and m["c"].get(key, {}).get("verdict") != "worse"]
+        better_ref = [key for key in m["cached_vs_full"] if m["cached"]["c"][key]["verdict"] == "better"]
+        worse_ref = [key for key in m["cached_vs_full"] if m["cached"]["c"][key]["verdict"] == "worse"]
+        better = [f for f, pr in modes.items() if pr.verdict == "better"]
         m["cached_brief_md"] = "" if not modes else (
             f"On {m['name']} at {m['cached']['lengths_text']}, "
-            + ("; ".join(f"`{key.split()[0]}` was worse than full precision with the prompt reading the cache "
-                         f"(−{m['cached']['c'][key]['lost']} +{m['cached']['c'][key]['gained']}) and not with the prompt "
-                         "in full precision, a difference of verdicts rather than a measured difference" for key in m["cached_new"])
+            + ("; ".join(f"`{key.split()[0]}` was worse than full precision at {_k(int(key.split()[1]))} with the prompt "
+                         f"reading the cache (−{m['cached']['c'][key]['lost']} +{m['cached']['c'][key]['gained']}) and "
+                         "not with the prompt in full precision, a difference of verdicts rather than a measured "
+                         "difference" for key in m["cached_new"])
                if m["cached_new"] else
-               "the formats worse than full precision in this mode ("
-               + (names_md([k.split()[0] for k in m["cached_vs_full"] if m["cached"]["c"][k]["verdict"] == "worse"])
-                  or "none") + ") were already worse with the prompt in full precision")
-            + ("; against each format's own full-prefill answers, the paired test tells the two modes apart for "
-               + names_md([f.split()[0] for f in worse]) if worse
+               "the formats worse than full precision in this mode (" + (_keys_md(worse_ref) or "none")
+               + ") were already worse with the prompt in full precision")
+            + ("; " + "; ".join(f"`{key.split()[0]}` answered more prompts than full precision at {_k(int(key.split()[1]))} "
+                                f"with the prompt reading the cache (−{m['cached']['c'][key]['lost']} "
+                                f"+{m['cached']['c'][key]['gained']})" for key in better_ref) if better_ref else "")
+            + ("; against each format's own full-prefill answers, the quantized prefill is "
+               + " and ".join(x for x in (f"worse for {_keys_md(worse)}" if worse else "",
+                                          f"better for {_keys_md(better)}" if better else "") if x)
+               if worse or better
                else "; against each format's own full-prefill answers, the two modes are not distinguishable"))
     # formats the single-needle stages never found worse that the two-key rung did
     values["multikey_new"] = [(values[k]["name"], f) for k in keys for f in values[k]["multikey"]["by"]
@@ -1038,13 +1082,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                                          if s_sweep is not None and s_sweep.lengths("prose") else None)
     # SmolLM2's paired prompt-reads-the-cache stage, once swept: each format against full precision, and against
     # its own full-prefill answers on the same prompts
-    values["s_cached_sentence_md"] = "" if S is None or not S["cached"]["measured"] else (
-        f"\n\nOn {S['name']} at {S['cached']['lengths_text']}, paired: " + "; ".join(
-            f"`{key.split()[0]}` found {v['cached'][0]} of {v['cached'][1]} (against {v['full'][0]} with the prompt in "
-            f"full precision; against full precision −{S['cached']['c'][key]['lost']} "
-            f"+{S['cached']['c'][key]['gained']}, {S['cached']['c'][key]['verdict']})"
-            for key, v in S["cached_vs_full"].items())
-        + f". Set against its own full-prefill answers on the same prompts, {S['cached_modes_md']}.")
+    values["s_cached_sentence_md"] = "" if S is None or not S["cached"]["measured"] else "".join(
+        f"\n\nOn {S['name']}, {md}" for md in S["cached_at_md"].values())
     values["cached_brief_md"] = ". ".join(values[k]["cached_brief_md"] for k in keys if values[k].get("cached_brief_md")) \
         or "Not run yet"
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
@@ -1075,7 +1114,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                 == (f in ("q4_0", "int4_token")) for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")),
                 G["cached_vs_full"]),
         "on Gemma at 8k no format's quantized prefill is distinguishable from its full prefill on the same prompts":
-            _claim(G["cached"]["measured"] and not G["cached_modes_worse"], G["cached_vs_full"]),
+            _claim(G["cached"]["measured"] and not G["cached_modes_worse_at"].get(8192, ["not measured"]),
+                   G["cached_vs_full"]),
         "on Gemma at 8k with the prompt quantized, q4_0 is still not worse than full precision; per-token INT4 is":
             _claim(G["cached"]["measured"] and G["cached"]["status"].get("q4_0") == "never worse"
                    and G["cached"]["status"].get("int4_token", "").startswith("worse")),
@@ -1688,10 +1728,15 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "n_formats": len(formats),
         "per_seq_tps": plans[call]["tokens_per_s"] / concurrency if call and plans.get(call) else None,
         "bf_seq_tps": plans["bf16"]["tokens_per_s"] / concurrency if plans.get("bf16") else None,
-        # the prompt reading its own quantized cache (chapter 4's cached stage, Gemma at 8k) against full prefill
+        # the prompt reading its own quantized cache (chapter 4's cached stage on Gemma, every whole length)
         "cached8k_md": ", ".join(f"`{f}` {c}/{n}" for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
                                  for c, n in [sweeps["gemma3-270m"].counts("cached", f, 8192)] if n),
-        "full8k_md": "{}/{}".format(*sweeps["gemma3-270m"].counts("filler", "fp32", 8192)),
+        "cached_lengths_md": "; ".join(
+            f"at {_k(L)} " + ", ".join(f"`{f}` {c}/{n}" for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
+                                       for c, n in [sweeps["gemma3-270m"].counts("cached", f, L)] if n)
+            + " (full precision {}/{})".format(*sweeps["gemma3-270m"].counts("filler", "fp32", L))
+            for L in sweeps["gemma3-270m"].lengths("cached")),
+        "cached_lengths_k": " and ".join(_k(L) for L in sweeps["gemma3-270m"].lengths("cached")),
         "share1": share1, "small_gain": one["int4"] / one["bf16"], "gain8": at8["int4"] / at8["bf16"] if at8 else None,
         "full": full, "picks_md": names_md([f for f in picks if f not in decide.REFERENCE_FORMATS]), "q": q,
         "ladder_prompts": CH6_LADDER_PROMPTS, "half_width": 100 * (hi - lo) / 2,
