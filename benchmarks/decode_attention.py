@@ -24,8 +24,6 @@ import platform
 import subprocess
 from pathlib import Path
 
-import torch
-
 from kvlab.cli import Parser, path_flag
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +34,8 @@ HQ, HKV, D = 32, 8, 128
 def make_cache(fmt, B, T, device, chunk=4096):
     """K and V stores of ``B`` random sequences of ``T`` tokens, filled ``chunk`` tokens at a time
     (on CUDA through the append kernel), into buffers of exactly ``T`` tokens."""
+    import torch
+
     from kvlab.formats import get_format
     from kvlab.storage import KVStore
 
@@ -49,6 +49,8 @@ def make_cache(fmt, B, T, device, chunk=4096):
 
 
 def gpu_info():
+    import torch
+
     name = torch.cuda.get_device_name(0)
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -65,6 +67,7 @@ def gpu_info():
 
 
 def run_cuda(quick: bool, out_dir: Path):
+    import torch
     import triton
     from triton.testing import do_bench
 
@@ -111,6 +114,8 @@ def run_cuda(quick: bool, out_dir: Path):
 
 
 def run_cpu():
+    import torch
+
     from kvlab.kernels.decode_attention import decode_attention, decode_attention_reference
 
     print("No CUDA device: timing Triton's interpreter would measure numpy, not the kernel.")
@@ -128,8 +133,16 @@ def run_cpu():
 def main(argv=None):
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few small points only")
-    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results")
+    p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results", help="a folder for the results")
     args = p.parse_args(argv)
+    from kvlab.paths import out_problem, shown_path
+
+    if not args.out.is_dir():  # before torch loads and before a long run, not when the result is written
+        p.error(f"--out {shown_path(args.out)} is not a folder")
+    if why := out_problem(args.out / "decode_attention.json", "--out"):
+        p.error(why)
+    import torch
+
     if torch.cuda.is_available():
         run_cuda(args.quick, args.out)
     else:

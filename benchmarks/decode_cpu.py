@@ -23,40 +23,36 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-from transformers import DynamicCache
-
-from kvlab.cache import KVQuantCache
-from kvlab.cli import MAX_LENGTH, Parser, int_flag, path_flag
+from kvlab.cli import MAX_LENGTH, Parser, int_flag, model_problem, path_flag
 from kvlab.env import cpu_model
 from kvlab.formats import format_names, get_format
-from kvlab.fusion import peak_memory
-from kvlab.kernels.reference import attend_tiles
-from kvlab.models import DATA_DIR, load_model
-from kvlab.paths import out_problem, write_json
+from kvlab.paths import RESULTS_DIR, out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
-OUT = DATA_DIR / "results" / "decode_cpu.json"
-TILE = attend_tiles.__kwdefaults__["block"]
+OUT = RESULTS_DIR / "decode_cpu.json"
 
 
-def _copy(dyn: DynamicCache, config) -> DynamicCache:
+def _copy(dyn, config):
+    from transformers import DynamicCache
+
     out = DynamicCache(config=config)
     for i, layer in enumerate(dyn.layers):
         out.update(layer.keys.clone(), layer.values.clone(), i)
     return out
 
 
-@torch.no_grad()
-def _decode(model, cache, first: torch.Tensor, n: int) -> float:
+def _decode(model, cache, first, n: int) -> float:
     """Median seconds per greedy token over ``n`` steps."""
+    import torch
+
     x, times = first, []
-    for _ in range(n):
-        t = time.perf_counter()
-        out = model(x, past_key_values=cache)
-        times.append(time.perf_counter() - t)
-        x = out.logits[:, -1:].argmax(-1)
+    with torch.no_grad():
+        for _ in range(n):
+            t = time.perf_counter()
+            out = model(x, past_key_values=cache)
+            times.append(time.perf_counter() - t)
+            x = out.logits[:, -1:].argmax(-1)
     return statistics.median(times)
 
 
@@ -85,13 +81,24 @@ def main(argv=None) -> dict:
         p.error("--contexts must be >= 16, and --tokens, --rounds and --threads >= 1")
     if args.out.is_dir() or not args.out.parent.is_dir():
         p.error(f"--out {args.out}: must be a file in an existing folder")
+    if why := model_problem(args.model):  # before torch loads
+        p.error(why)
+    import torch
+    from transformers import DynamicCache
+
+    from kvlab.cache import KVQuantCache
+    from kvlab.fusion import peak_memory
+    from kvlab.kernels.reference import attend_tiles
+    from kvlab.models import load_model
+
+    tile = attend_tiles.__kwdefaults__["block"]
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     result = {
         "what": "ms per greedy decode token, KVQuantCache (kvlab attention: tile by tile over the stores) "
                 "vs DynamicCache (SDPA), same model, same prompt, measured in interleaved rounds",
         "model": args.model, "threads": args.threads, "tokens_per_round": args.tokens, "rounds": args.rounds,
-        "tile_tokens": TILE, "machine": cpu_model(), "torch": torch.__version__,
+        "tile_tokens": tile, "machine": cpu_model(), "torch": torch.__version__,
         "date": dt.date.today().isoformat(), "contexts": {},
     }
     g = torch.Generator().manual_seed(0)
@@ -118,7 +125,7 @@ def main(argv=None) -> dict:
                 _, peak = peak_memory(layer.attend, q)
                 kv_heads, D = layer.sink_k.shape[1], q.shape[-1]
                 row.update(cache_bytes=cache.nbytes, attend_peak_bytes=int(peak),
-                           tile_bytes=2 * kv_heads * min(TILE, layer.get_seq_length()) * D * 4,  # K and V tiles as float32
+                           tile_bytes=2 * kv_heads * min(tile, layer.get_seq_length()) * D * 4,  # K and V tiles as float32
                            layer_fp32_kv_bytes=2 * kv_heads * layer.get_seq_length() * D * 4)
             else:
                 row["cache_bytes"] = sum(la.keys.numel() * la.keys.element_size() * 2 for la in cache.layers)

@@ -21,12 +21,8 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
-from kvlab import evals
 from kvlab.cli import MAX_LENGTH, Parser, int_flag, path_flag
 from kvlab.env import cpu_model
-from kvlab.models import load_model
 from kvlab.paths import out_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +49,11 @@ def main(argv=None):
         p.error("--length must be >= 64 and --prompts >= 1")
     if args.out.is_dir():
         p.error(f"--out {args.out} is a directory")
+    import torch
+
+    from kvlab import evals
+    from kvlab.models import load_model
+
     model, tok = load_model()
     kw = dict(lengths=[args.length], depths=[0.5], trials=args.prompts, batch_size=args.prompts, progress=False)
     one = timed(lambda: evals.passkey_sweeps(model, tok, ["fp32"], **kw))

@@ -1084,6 +1084,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     # its own full-prefill answers on the same prompts
     values["s_cached_sentence_md"] = "" if S is None or not S["cached"]["measured"] else "".join(
         f"\n\nOn {S['name']}, {md}" for md in S["cached_at_md"].values())
+    # Gemma's cached stage past 8k (4.4's 8k paragraph is written out; longer lengths join as they finish)
+    values["g_cached_long_md"] = "" if G is None else "".join(
+        f"\n\nOn {G['name']}, {md}" for n, md in G["cached_at_md"].items() if n != 8192)
     values["cached_brief_md"] = ". ".join(values[k]["cached_brief_md"] for k in keys if values[k].get("cached_brief_md")) \
         or "Not run yet"
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run

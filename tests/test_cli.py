@@ -605,9 +605,10 @@ def test_the_scripts_refuse_a_flag_in_one_line_named_by_the_script(script):
 
 
 def _run_script_in_a_fresh_python(script: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """``scripts/<script> argv`` run as __main__ in a new interpreter; stdout is its exit code and whether torch
-    was imported by then (``"2 False"``: refused before torch loaded)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    """``scripts/<script> argv`` (or ``benchmarks/<name>.py`` argv) run as __main__ in a new interpreter; stdout is
+    its exit code and whether torch was imported by then (``"2 False"``: refused before torch loaded)."""
+    root = Path(__file__).resolve().parents[1]
+    path = root / script if "/" in script else root / "scripts" / script
     code = ("import runpy, sys\n"
             f"sys.argv = [{str(path)!r}, *{argv!r}]\n"
             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
@@ -626,14 +627,30 @@ def test_a_script_refuses_an_out_file_it_did_not_write_before_torch_loads(argv, 
     assert out.read_text() == content
 
 
-@pytest.mark.parametrize("script", ["sweep_long.py", "compare_engines.py", "eval_model.py", "sweep_evals.py"])
+@pytest.mark.parametrize("script", ["sweep_long.py", "compare_engines.py", "eval_model.py", "sweep_evals.py",
+                                    "benchmarks/decode_cpu.py", "benchmarks/decode_attention.py",
+                                    "benchmarks/shared_prefill.py"])
 def test_a_script_refuses_a_flag_before_torch_loads(script):
-    """A mistyped flag costs well under a second: the scripts that run a model import torch only after their flags
-    are checked (train_model.py, whose helpers are torch functions, is the exception)."""
+    """A mistyped flag costs well under a second: the scripts and benchmarks that run a model or a kernel import torch
+    only after their flags are checked (train_model.py, whose helpers are torch functions, is the exception)."""
     r = _run_script_in_a_fresh_python(script, ["--no-such-flag"])
     assert r.stdout == "2 False\n" and r.stderr.count("\n") == 1, r
     # named even where a required choice is missing too (compare_engines.py needs a mode)
-    assert r.stderr == f"{script}: error: unrecognized arguments: --no-such-flag\n", r
+    assert r.stderr == f"{Path(script).name}: error: unrecognized arguments: --no-such-flag\n", r
+
+
+@pytest.mark.slow  # subprocesses: make test, not make quick
+@pytest.mark.parametrize("argv, why", [
+    (["benchmarks/decode_attention.py", "--out", "{tmp}/no-such-folder"], "is not a folder"),
+    (["benchmarks/decode_attention.py", "--out", "/proc"], "--out /proc"),
+    (["benchmarks/decode_cpu.py", "--model", "{tmp}/no-model", "--out", "{tmp}/o.json"], "--model: could not load model"),
+    (["benchmarks/shared_prefill.py", "--out", "{tmp}"], "--out"),
+])
+def test_a_benchmark_refuses_a_place_or_model_before_torch_loads(argv, why, tmp_path):
+    """A result path or a model that cannot work is named before torch loads, not after the run."""
+    r = _run_script_in_a_fresh_python(argv[0], [a.replace("{tmp}", str(tmp_path)) for a in argv[1:]])
+    assert r.stdout == "2 False\n" and why in r.stderr and r.stderr.count("\n") == 1, r
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow  # subprocesses: make test, not make quick
