@@ -135,11 +135,9 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="a few small points only")
     p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results", help="a folder for the results")
     args = p.parse_args(argv)
-    from kvlab.paths import out_problem, shown_path
+    from kvlab.paths import folder_problem
 
-    if not args.out.is_dir():  # before torch loads and before a long run, not when the result is written
-        p.error(f"--out {shown_path(args.out)} is not a folder")
-    if why := out_problem(args.out / "decode_attention.json", "--out"):
+    if why := folder_problem(args.out):  # before torch loads and before a long run, not when the result is written
         p.error(why)
     import torch
 

@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kvlab.cli import MAX_LENGTH, Parser, int_flag, model_problem, path_flag
+from kvlab.cli import MAX_LENGTH, Parser, int_flag, model_flag, model_problem, path_flag
 from kvlab.env import cpu_model
 from kvlab.formats import format_names, get_format
 from kvlab.paths import RESULTS_DIR, out_problem, write_json
@@ -58,7 +58,7 @@ def _decode(model, cache, first, n: int) -> float:
 
 def main(argv=None) -> dict:
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", type=model_flag, default="smollm2-135m")
     p.add_argument("--contexts", type=int_flag(64, MAX_LENGTH), nargs="+", default=[1024, 4096, 8192])
     p.add_argument("--formats", nargs="+", default=None, help="default: every preset")
     p.add_argument("--tokens", type=int_flag(1, 4096), default=6, help="greedy tokens per cache per round")
@@ -69,18 +69,19 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)
+    quick_sets = ("model", "contexts", "formats", "tokens", "rounds")
+    if args.quick and (given := [k for k in quick_sets if getattr(args, k) != p.get_default(k)]):
+        p.error(f"--quick sets --{given[0]} itself (a fixed smoke test): drop one of the two")
     if args.quick:
         args.model, args.contexts, args.formats, args.tokens, args.rounds = "kvlab-tiny", [256], ["int8", "int4"], 2, 1
-    formats = args.formats or format_names()
-    for f in formats:
-        try:
-            get_format(f)
-        except ValueError as e:
-            p.error(f"--formats: {e}")
-    if min(args.contexts) < 16 or args.tokens < 1 or args.rounds < 1 or args.threads < 1:
-        p.error("--contexts must be >= 16, and --tokens, --rounds and --threads >= 1")
-    if args.out.is_dir() or not args.out.parent.is_dir():
-        p.error(f"--out {args.out}: must be a file in an existing folder")
+    try:
+        formats = [get_format(f).name for f in args.formats or format_names()]
+    except ValueError as e:
+        p.error(f"--formats: {e}")
+    if twice := next((f for i, f in enumerate(formats) if f in formats[:i]), None):
+        p.error(f"--formats lists {twice} twice")
+    if twice := next((n for i, n in enumerate(args.contexts) if n in args.contexts[:i]), None):
+        p.error(f"--contexts lists {twice} twice")
     if why := model_problem(args.model):  # before torch loads
         p.error(why)
     import torch
@@ -93,7 +94,18 @@ def main(argv=None) -> dict:
 
     tile = attend_tiles.__kwdefaults__["block"]
     torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
+    try:
+        model, tok = load_model(args.model)
+    except (ValueError, OSError) as e:
+        p.error(f"--model: {e}")
+    window = getattr(model.config, "max_position_embeddings", None)
+    if window and max(args.contexts) > window:
+        p.error(f"--contexts: {max(args.contexts)} tokens is past {args.model}'s {window}-token window")
+    for f in formats:  # a per-layer-type mix the model has no layers for, said before any prefill
+        try:
+            KVQuantCache(f, config=model.config)
+        except ValueError as e:
+            p.error(f"--formats: {e}")
     result = {
         "what": "ms per greedy decode token, KVQuantCache (kvlab attention: tile by tile over the stores) "
                 "vs DynamicCache (SDPA), same model, same prompt, measured in interleaved rounds",

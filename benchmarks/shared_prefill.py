@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvlab.cli import MAX_LENGTH, Parser, int_flag, path_flag
 from kvlab.env import cpu_model
-from kvlab.paths import out_problem
+from kvlab.paths import out_problem, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,16 +45,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.out is not None and (why := out_problem(args.out)):  # before the run, not after it
         p.error(why)
-    if args.length < 64 or args.prompts < 1:
-        p.error("--length must be >= 64 and --prompts >= 1")
-    if args.out.is_dir():
-        p.error(f"--out {args.out} is a directory")
     import torch
 
     from kvlab import evals
     from kvlab.models import load_model
 
     model, tok = load_model()
+    window = model.config.max_position_embeddings
+    if args.length > window:
+        p.error(f"--length: {args.length} tokens is past smollm2-135m's {window}-token window")
     kw = dict(lengths=[args.length], depths=[0.5], trials=args.prompts, batch_size=args.prompts, progress=False)
     one = timed(lambda: evals.passkey_sweeps(model, tok, ["fp32"], **kw))
     shared = timed(lambda: evals.passkey_sweeps(model, tok, TEN, **kw))
@@ -70,10 +69,7 @@ def main(argv=None):
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "torch": torch.__version__, "date": dt.date.today().isoformat(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(args.out)
+    write_json(args.out, out)  # atomic, through a symbolic link to its target (checked before the run)
     print(json.dumps(out["seconds"]), f"shared/one = {out['ratio_shared_to_one']}x, separate/one = "
           f"{out['ratio_separate_to_one']}x")
 

@@ -228,9 +228,13 @@ def source(name_or_path) -> str | Path:
     src = resolve(name_or_path)
     reachable(src)
     folder = Path(src)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"could not load model {str(src)!r}: it is a file, not a model folder")
     if folder.is_dir() and not any((folder / f).exists() for f in _TOKENIZER_FILES):
         raise ValueError(f"could not load model {str(src)!r}: the folder has no tokenizer "
                          f"(none of {', '.join(_TOKENIZER_FILES)})")
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise ValueError(f"could not load model {str(src)!r}: the folder has no config.json")
     return src
 
 

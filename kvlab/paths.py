@@ -84,6 +84,30 @@ def _out_problem(path: str | Path, flag: str) -> str | None:
     return None
 
 
+def folder_problem(path: str | Path, flag: str = "--out") -> str | None:
+    """Why ``path`` cannot take result files named by the run (a script writing ``<gpu>_<date>.json`` into it), or
+    None: checked before the run, as :func:`out_problem` checks a file."""
+    if not str(path).strip():
+        return f"{flag} is empty"
+    try:
+        os.stat(path)
+    except OSError as e:
+        what = ("is a loop of symbolic links" if e.errno == errno.ELOOP else "no such folder"
+                if e.errno in (errno.ENOENT, errno.ENOTDIR) else (e.strerror or str(e)).lower())
+        return f"{flag} {shown_path(path)}: {what}"
+    if not Path(path).is_dir():
+        return f"{flag} {shown_path(path)}: is not a folder"
+    if any(_special(x) for x in (os.path.abspath(path), os.path.realpath(path))):
+        return f"{flag} {shown_path(path)}: is a folder of devices or process streams; give a folder for results"
+    try:  # access() says yes to root everywhere: create a file there to be sure
+        fd, probe = tempfile.mkstemp(dir=path, suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{flag} {shown_path(path)}: cannot create a file there ({(e.strerror or str(e)).lower()})"
+    return None
+
+
 MAX_TEXT_BYTES = 64 * 2**20  # a haystack or corpus file: far more than a 32k-token prompt needs
 
 

@@ -36,14 +36,12 @@ def _run(cmd, limit: float) -> tuple[int, str]:
 
 def main(argv=None) -> int:
     from kvlab.cli import Parser, path_flag
-    from kvlab.paths import out_problem, shown_path
+    from kvlab.paths import folder_problem
 
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=path_flag, default=ROOT / "data" / "results", help="a folder for the results")
     args = p.parse_args(argv)
-    if not args.out.is_dir():
-        p.error(f"--out {shown_path(args.out)} is not a folder")
-    if why := out_problem(args.out / "gpu_check.json", "--out"):  # a folder it may not write, /proc: said now
+    if why := folder_problem(args.out):  # a missing folder, /proc, one it may not write: said now
         p.error(why)
     import torch
 

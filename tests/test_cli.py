@@ -641,8 +641,12 @@ def test_a_script_refuses_a_flag_before_torch_loads(script):
 
 @pytest.mark.slow  # subprocesses: make test, not make quick
 @pytest.mark.parametrize("argv, why", [
-    (["benchmarks/decode_attention.py", "--out", "{tmp}/no-such-folder"], "is not a folder"),
-    (["benchmarks/decode_attention.py", "--out", "/proc"], "--out /proc"),
+    (["benchmarks/decode_attention.py", "--out", "{tmp}/no-such-folder"], "no-such-folder: no such folder"),
+    (["benchmarks/decode_attention.py", "--out", "/dev"], "--out /dev: is a folder of devices"),
+    (["benchmarks/decode_cpu.py", "--quick", "--formats", "int8"], "--quick sets --formats itself"),
+    (["benchmarks/decode_cpu.py", "--formats", "int8", "INT8", "--out", "{tmp}/o.json"], "--formats lists int8 twice"),
+    (["benchmarks/decode_cpu.py", "--contexts", "64", "64", "--out", "{tmp}/o.json"], "--contexts lists 64 twice"),
+    (["benchmarks/decode_cpu.py", "--model", "", "--out", "{tmp}/o.json"], "argument --model: is empty"),
     (["benchmarks/decode_cpu.py", "--model", "{tmp}/no-model", "--out", "{tmp}/o.json"], "--model: could not load model"),
     (["benchmarks/shared_prefill.py", "--out", "{tmp}"], "--out"),
 ])
@@ -692,8 +696,9 @@ def test_a_flag_is_spelled_in_full(argv):
     (["compare_engines.py", "--llama-cpp", "--quick", "--trials", "3"], "--quick runs one fixed case"),
     (["compare_engines.py", "--llama-cpp", "--new-tokens", "16"], "--new-tokens is not for --llama-cpp"),
     (["compare_engines.py", "--llama-cpp", "--cache-types", "q4_0", "q4_0"], "--cache-types lists q4_0 twice"),
-    (["gpu_check.py", "--out", "/no/such/folder"], "--out /no/such/folder is not a folder"),
-    (["gpu_check.py", "--out", "/proc"], "--out /proc/gpu_check.json: is a device"),
+    (["gpu_check.py", "--out", "/no/such/folder"], "--out /no/such/folder: no such folder"),
+    (["gpu_check.py", "--out", "/proc"], "--out /proc: is a folder of devices or process streams"),
+    (["gpu_check.py", "--out", "/etc/passwd"], "--out /etc/passwd: is not a folder"),
     (["train_model.py", "--out", "/etc/passwd"], "is a file: --out names the folder"),
 ])
 def test_the_scripts_refuse_bad_values_before_any_work(argv, why, tmp_path, capsys, monkeypatch):

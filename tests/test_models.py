@@ -108,6 +108,16 @@ def test_a_folder_without_a_tokenizer_says_so(tmp_path):
         models.load_model(tmp_path)
 
 
+def test_a_file_or_a_folder_without_a_config_is_refused_before_torch_reads_it(tmp_path):
+    """Checked by models.source (no torch), so every CLI's --model says it in one line, not a transformers traceback."""
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="it is a file, not a model folder"):
+        models.source(tmp_path / "weights.bin")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="the folder has no config.json"):
+        models.source(tmp_path)
+
+
 @pytest.mark.slow
 def test_gemma3_loads_offline_and_finds_a_passkey_in_full_precision():
     """The long-context model, as `make` installed it: hybrid attention, <bos> first, a 1k passkey found."""
