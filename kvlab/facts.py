@@ -1120,8 +1120,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             _claim(G["cached"]["measured"] and not G["cached_modes_worse_at"].get(8192, ["not measured"]),
                    G["cached_vs_full"]),
         "on Gemma at 8k with the prompt quantized, q4_0 is still not worse than full precision; per-token INT4 is":
-            _claim(G["cached"]["measured"] and G["cached"]["status"].get("q4_0") == "never worse"
-                   and G["cached"]["status"].get("int4_token", "").startswith("worse")),
+            _claim(G["cached"]["measured"] and G["cached"]["c"]["q4_0 8192"]["verdict"] != "worse"
+                   and G["cached"]["c"]["int4_token 8192"]["verdict"] == "worse", G["cached"]["status"]),
         "on Gemma every growing loss keeps growing past 8k and is smaller at 32k, where full precision falls":
             _claim(G["grows_common"] and all(G["grows_to"][f] > len([n for n in G["lengths"] if n <= CH4_COMMON_LONGEST])
                                             for f in G["grows_common"])
