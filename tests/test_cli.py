@@ -628,8 +628,9 @@ def test_a_script_refuses_an_out_file_it_did_not_write_before_torch_loads(argv, 
 
 
 @pytest.mark.parametrize("script", ["sweep_long.py", "compare_engines.py", "eval_model.py", "sweep_evals.py",
-                                    "benchmarks/decode_cpu.py", "benchmarks/decode_attention.py",
-                                    "benchmarks/shared_prefill.py"])
+                                    *(pytest.param(b, marks=pytest.mark.slow)  # make quick keeps its minute
+                                      for b in ("benchmarks/decode_cpu.py", "benchmarks/decode_attention.py",
+                                                "benchmarks/shared_prefill.py"))])
 def test_a_script_refuses_a_flag_before_torch_loads(script):
     """A mistyped flag costs well under a second: the scripts and benchmarks that run a model or a kernel import torch
     only after their flags are checked (train_model.py, whose helpers are torch functions, is the exception)."""
