@@ -546,11 +546,20 @@ def _cached_at_md(m: dict, n: int) -> str:
     come from the filler stage, the same prompts), and against its own answers with the prompt in full precision."""
     c, t = m["cached"]["ref"][n]
     keys = [k for k in m["cached_vs_full"] if k.endswith(f" {n}")]
+
+    def d(k):  # needles found with the prompt reading the cache, less those found with it in full precision
+        return m["cached_vs_full"][k]["cached"][0] - m["cached_vs_full"][k]["full"][0]
+
     return (f"at {_k(n)} (full precision {c} of {t}), with the prompt reading the cache, paired: " + "; ".join(
         f"`{k.split()[0]}` found {m['cached_vs_full'][k]['cached'][0]} (against {m['cached_vs_full'][k]['full'][0]} "
         f"with the prompt in full precision; against full precision −{m['cached']['c'][k]['lost']} "
         f"+{m['cached']['c'][k]['gained']}, {m['cached']['c'][k]['verdict']})" for k in keys)
-        + f". Set against its own full-prefill answers on the same prompts, {m['cached_modes_at'][n]}.")
+        + f". Set against its own full-prefill answers on the same prompts, {m['cached_modes_at'][n]}"
+        + (". Needles found with the prompt reading the cache, against with it in full precision: " + "; ".join(
+            f"{what} {names_md(fs)}" for what, fs in (("fewer for", [k.split()[0] for k in keys if d(k) < 0]),
+                                                     ("more for", [k.split()[0] for k in keys if d(k) > 0]),
+                                                     ("as many for", [k.split()[0] for k in keys if d(k) == 0])) if fs))
+        + ".")
 
 
 def _stage_md(models: list[dict], stage: str) -> str:
