@@ -53,14 +53,23 @@ class Parser(argparse.ArgumentParser):
         return [w for w in words if w.startswith("-") and len(w) > 1 and not _looks_numeric(w)
                 and w.split("=")[0] not in known]
 
+    @staticmethod
+    def _dash_value_follows(message: str) -> bool:
+        """Whether the flag argparse names in ``message`` ("argument --batch: expected ...") is followed on the
+        command line by a word starting with '-' (a value taken for an option), not by nothing."""
+        m = re.match(r"argument ([^:]+):", message)
+        names = set(m.group(1).split("/")) if m else set()
+        words = _PARSING[0]
+        return any(w in names and i + 1 < len(words) and words[i + 1].startswith("-") for i, w in enumerate(words))
+
     def error(self, message):
         # argparse names a missing required flag before an unknown one: "--bogus" alone would be answered with
         # "one of --quanto --hqq ... is required". A mistyped flag is the likelier cause; name it instead.
         if message.startswith(("the following arguments are required", "one of the arguments")) \
                 and (unknown := self._unknown_flags()):
             message = f"unrecognized arguments: {' '.join(unknown)}"
-        if "expected one argument" in message:  # "--batch -inf": argparse took "-inf" for an option
-            message += " (a value that starts with '-' goes as --flag=VALUE)"
+        if re.search(r"expected (one|at least one) argument", message) and self._dash_value_follows(message):
+            message += " (a value that starts with '-' goes as --flag=VALUE)"  # "--batch -inf": taken for an option
         prog = self.prog.removeprefix("python -m ").split()[0]  # a subcommand's errors are the program's
         self.exit(2, f"{prog}: error: {one_line(message)}\n")
 

@@ -500,6 +500,10 @@ def test_error_lines_cut_long_values_and_explain_negative_values(capsys):
     with pytest.raises(SystemExit):
         main(["budget", "--batch", "-inf"])
     assert "goes as --flag=VALUE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # nothing after the flag: no hint about values that start with '-'
+        main(["budget", "--model", "llama-3.1-8b", "--batch"])
+    err = capsys.readouterr().err
+    assert "argument --batch: expected one argument" in err and "--flag=VALUE" not in err
     with pytest.raises(SystemExit):
         main(["niah", "--endpoint", "http://127.0.0.1:1", "--timeout", "1e308"])
     assert "argument --timeout: must be > 0 and at most 86400 seconds" in capsys.readouterr().err
