@@ -156,8 +156,10 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     same prompts (:func:`kvlab.results.llamacpp_paired`).
 
     ``done`` is an earlier return value (same seed, depths and trials): its rows are kept and their cells not
-    run again, so a long run resumes. ``on_row(result)`` is called with the whole result so far after every
-    new row (a script writes it to disk there, so hours of work survive an interruption).
+    run again, so a long run resumes; a cell cut off part way is kept as ``"partial"`` (its outcomes so far) and
+    resumes at its next prompt. ``on_row(result)`` is called with the whole result so far after every prompt (a
+    script writes it to disk there: a q4_0 prompt at 32k takes a quarter of an hour on 2 cores, and an
+    interruption loses at most one).
 
     ``swa_full=False`` gives sliding-window layers (Gemma 3) a cache of their window only, as llama.cpp's own
     tools do by default; llama-cpp-python's default (``None``: the library's, a full-size cache) makes those layers
@@ -191,7 +193,13 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     if not isinstance(done, dict) or any(not isinstance(v, dict) or not isinstance(v.get("rows"), list)
                                          for v in done.values()):
         raise ValueError("done must be an earlier result: {cache type: {'rows': [...], 'seconds': s}}")
-    out = {ct: {"rows": list(v["rows"]), "seconds": float(v.get("seconds", 0.0))} for ct, v in done.items()}
+    for v in done.values():
+        part = v.get("partial")
+        if part is not None and not (isinstance(part, dict) and isinstance(part.get("outcomes"), list)
+                                     and {"length", "depth", "trials"} <= set(part)):
+            raise ValueError("done: a 'partial' cell must hold its length, depth, trials and outcomes so far")
+    out = {ct: {"rows": list(v["rows"]), "seconds": float(v.get("seconds", 0.0)),
+                **({"partial": v["partial"]} if v.get("partial") else {})} for ct, v in done.items()}
     for ct in cache_types:
         have = {(r["length"], float(r["depth"])) for r in out.get(ct, {}).get("rows", []) if r["trials"] == trials}
         cells = [(n, float(d)) for n in lengths for d in depths if (n, float(d)) not in have]
@@ -203,10 +211,14 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
                               **({} if swa_full is None else {"swa_full": swa_full}))
         res = out.setdefault(ct, {"rows": [], "seconds": 0.0})
         res["rows"] = [r for r in res["rows"] if r["trials"] == trials]  # rows of another trial count: run again
+        swa = {} if swa_full is None else {"swa_full": swa_full}
         for n, d in tqdm(cells, desc=f"llama.cpp {ct}", disable=not progress, leave=False):
-            t0 = time.time()
-            outcomes = []
-            for ex in sweep_prompts(tasks.passkey, tok, n, d, trials, seed):
+            part = res.get("partial") or {}
+            same = (part.get("length"), float(part.get("depth", -1)), part.get("trials")) == (n, d, trials) \
+                and part.get("swa_full") == swa.get("swa_full") and len(part.get("outcomes", [])) < trials
+            outcomes = [bool(x) for x in part["outcomes"]] if same else []  # a cell cut off part way resumes
+            for ex in sweep_prompts(tasks.passkey, tok, n, d, trials, seed)[len(outcomes):]:
+                t0 = time.time()
                 got = []
                 if swa_full is False:  # a window-sized cache cannot serve the next prompt's shared prefix: no reuse
                     llm.reset()
@@ -215,12 +227,16 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
                     if len(got) == len(ex.answer_ids):
                         break
                 outcomes.append(got == ex.answer_ids)
-            res["rows"].append({"length": n, "depth": d, "trials": trials, "correct": sum(outcomes),
-                                "outcomes": outcomes, **({} if swa_full is None else {"swa_full": swa_full})})
-            res["rows"].sort(key=lambda r: (r["length"], r["depth"]))
-            res["seconds"] = round(res["seconds"] + time.time() - t0, 1)
-            if on_row is not None:
-                on_row(out)
+                res["seconds"] = round(res["seconds"] + time.time() - t0, 1)
+                if len(outcomes) < trials:
+                    res["partial"] = {"length": n, "depth": d, "trials": trials, "outcomes": list(outcomes), **swa}
+                else:
+                    res.pop("partial", None)
+                    res["rows"].append({"length": n, "depth": d, "trials": trials, "correct": sum(outcomes),
+                                        "outcomes": outcomes, **swa})
+                    res["rows"].sort(key=lambda r: (r["length"], r["depth"]))
+                if on_row is not None:
+                    on_row(out)
         del llm
     return out
 

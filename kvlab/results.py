@@ -866,7 +866,7 @@ def _paired(fmt: str, reference: str, a: list[bool], b: list[bool]) -> Paired:
 def llamacpp_pending(llama: dict) -> dict:
     """The lengths a llama.cpp run has not finished: ``{cache type: {length: prompts answered so far}}`` for every
     cache type and length of ``llama["lengths"]`` whose rows do not cover all of ``llama["depths"]`` (a resumable run
-    writes after each depth, so a file can hold part of a length)."""
+    writes after each prompt, so a file can hold part of a length, and a cell's prompts so far as ``"partial"``)."""
     rows_all = [r for res in llama["cache_types"].values() for r in res["rows"]]
     want = {float(d) for d in (llama.get("depths") or [r["depth"] for r in rows_all])}
     out = {}
@@ -874,7 +874,9 @@ def llamacpp_pending(llama: dict) -> dict:
         for n in llama.get("lengths") or sorted({r["length"] for r in rows_all}):
             rows = [r for r in res["rows"] if r["length"] == n]
             if {float(r["depth"]) for r in rows} != want:
-                out.setdefault(ct, {})[n] = sum(r["trials"] for r in rows)
+                part = res.get("partial") or {}  # a cell cut off part way (written after every prompt)
+                out.setdefault(ct, {})[n] = sum(r["trials"] for r in rows) + (
+                    len(part.get("outcomes", [])) if part.get("length") == n else 0)
     return out
 
 

@@ -9,8 +9,9 @@ prompt at 512 tokens) and writes nowhere unless ``--out`` is given.
 ``--llama-cpp --model gemma3-270m``: the same on Gemma 3 270M's GGUF file (Q4_K_M weights), by default at
 8,192 tokens on the prompts of the long sweep's filler stage (``scripts/sweep_long.py``: same seed, depths and
 prompts a depth), so each answer pairs with kvlab's on the identical prompt. Writes
-``data/results/engines_llamacpp_gemma3.json`` after every (length, depth) cell, and a rerun with the same depths
-and trials resumes it: the cells it holds are kept, new lengths are added (32,768 tokens takes hours on 2 cores).
+``data/results/engines_llamacpp_gemma3.json`` after every prompt, and a rerun with the same depths and trials
+resumes it: the cells it holds are kept, a cell cut off part way goes on at its next prompt, new lengths are added
+(32,768 tokens takes hours on 2 cores).
 
 ``--llama-server``: the same comparison the way a reader would run it against real deployments: two
 llama.cpp servers (``python -m llama_cpp.server``, OpenAI-compatible) on the same GGUF, one with an f16

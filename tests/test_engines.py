@@ -161,8 +161,19 @@ def test_llamacpp_run_resumes_and_reports_every_row(monkeypatch, shipped):
     saved = []
     kw = dict(cache_types=("f16", "q4_0"), depths=(0.0, 1.0), trials=2)
     first = engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), on_row=lambda r: saved.append(json.dumps(r)), **kw)
-    assert len(saved) == 4 and len(seen) == 8  # 2 cache types x 2 depths, each written when done
+    assert len(saved) == 8 and len(seen) == 8  # 2 cache types x 2 depths x 2 prompts, each written when answered
     assert all(len(v["rows"]) == 2 and v["rows"][0]["outcomes"] == [False, False] for v in first.values())
+    assert all("partial" not in v for v in first.values())
+    cut = json.loads(saved[2])  # stopped after f16's third prompt: its second cell holds one of two prompts
+    assert cut["f16"]["partial"]["outcomes"] == [False] and len(cut["f16"]["rows"]) == 1
+    from kvlab.results import llamacpp_pending
+
+    assert llamacpp_pending({"lengths": [64], "depths": [0.0, 1.0], "cache_types": cut}) == {"f16": {64: 3}}
+    seen.clear()
+    resumed = engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done=cut, **kw)
+    assert len(seen) == 5 and resumed == first | {ct: {**v, "seconds": resumed[ct]["seconds"]} for ct, v in first.items()}
+    with pytest.raises(ValueError, match="'partial' cell must hold"):
+        engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done={"f16": {"rows": [], "partial": [1]}}, **kw)
     seen.clear()
     again = engines.llamacpp_passkey("x.gguf", tok, lengths=(64, 96), done=json.loads(saved[-1]), **kw)
     assert seen == [96] * 8  # only the new length ran
