@@ -158,7 +158,7 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     ``done`` is an earlier return value (same seed, depths and trials): its rows are kept and their cells not
     run again, so a long run resumes; a cell cut off part way is kept as ``"partial"`` (its outcomes so far) and
     resumes at its next prompt. ``on_row(result)`` is called with the whole result so far after every prompt (a
-    script writes it to disk there: a q4_0 prompt at 32k takes a quarter of an hour on 2 cores, and an
+    script writes it to disk there: a q4_0 prompt at 32k, from the 8k runs, would take 20 minutes or more on 2 cores, and an
     interruption loses at most one).
 
     ``swa_full=False`` gives sliding-window layers (Gemma 3) a cache of their window only, as llama.cpp's own
