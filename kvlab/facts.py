@@ -562,6 +562,25 @@ def _cached_at_md(m: dict, n: int) -> str:
         + ".")
 
 
+def _direction_md(m: dict, n: int, base: int = 8192) -> str:
+    """Whether the formats that found fewer needles at ``base`` with the prompt reading the cache did so again at
+    ``n`` (a direction read from counts; the paired verdicts above are the test)."""
+    def moved(f, at):
+        v = m["cached_vs_full"].get(f"{f} {at}")
+        return None if v is None else v["cached"][0] - v["full"][0]
+
+    fewer = [k.split()[0] for k in m["cached_vs_full"] if k.endswith(f" {base}") and moved(k.split()[0], base) < 0]
+    if not fewer:
+        return ""
+    held = [f for f in fewer if (moved(f, n) or 0) < 0]
+    gone = [f for f in fewer if moved(f, n) is not None and moved(f, n) >= 0]
+    return (f" The {_k(base)} direction, fewer needles with the prompt reading the cache for {names_md(fewer)}, "
+            + "; ".join(x for x in (f"came back at {_k(n)} for {names_md(held)}" if held else "",
+                                    f"did not carry to {_k(n)} for {names_md(gone)}, which found as many or more there"
+                                    if gone else "") if x)
+            + " (counts; the paired verdicts above are the test).")
+
+
 def _stage_md(models: list[dict], stage: str) -> str:
     """Per model, what the paired test found in one stage of the sweep, or that the stage was not run."""
     lines = []
@@ -1095,7 +1114,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         f"\n\nOn {S['name']}, {md}" for md in S["cached_at_md"].values())
     # Gemma's cached stage past 8k (4.4's 8k paragraph is written out; longer lengths join as they finish)
     values["g_cached_long_md"] = "" if G is None else "".join(
-        f"\n\nOn {G['name']}, {md}" for n, md in G["cached_at_md"].items() if n != 8192)
+        f"\n\nOn {G['name']}, {md}" + _direction_md(G, n) for n, md in G["cached_at_md"].items() if n != 8192)
     values["cached_brief_md"] = ". ".join(values[k]["cached_brief_md"] for k in keys if values[k].get("cached_brief_md")) \
         or "Not run yet"
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
