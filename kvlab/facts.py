@@ -1057,9 +1057,20 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         modes = {f: v["paired"] for f, v in m["cached_vs_full"].items()}
         worse = [f for f, pr in modes.items() if pr.verdict == "worse"]
         m["cached_modes_worse"] = worse
+        # the family: every format's two modes at every length; a verdict there that Holm would withdraw is said so
+        from .results import holm
+
+        kept = dict(zip(modes, holm([pr.p for pr in modes.values()]))) if modes else {}
+        m["cached_modes_holm"] = kept
+        apart = [f for f, pr in modes.items() if pr.verdict != "not distinguishable"]
+        m["cached_modes_holm_md"] = "" if not apart else (
+            f". Among the {len(modes)} comparisons of the two modes on {m['name']}, Holm's correction for their number "
+            "(as in this chapter's summary) " + " and ".join(
+                f"{'keeps' if kept[f] else 'withdraws'} `{f.split()[0]}` at {_k(int(f.split()[1]))}" for f in apart))
         m["cached_modes_md"] = _modes_md(modes)
         # the same, one length at a time ({G[cached_modes_at][8192]} in a template)
         m["cached_modes_at"] = {n: _modes_md({f: pr for f, pr in modes.items() if f.endswith(f" {n}")})
+                                + (m["cached_modes_holm_md"] if any(f.endswith(f" {n}") for f in apart) else "")
                                 for n in m["cached"]["lengths"]}
         m["cached_modes_worse_at"] = {n: [f for f in worse if f.endswith(f" {n}")] for n in m["cached"]["lengths"]}
         m["cached_at_md"] = {n: _cached_at_md(m, n) for n in m["cached"]["lengths"]}
@@ -1084,6 +1095,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             + ("; against each format's own full-prefill answers, the quantized prefill is "
                + " and ".join(x for x in (f"worse for {_keys_md(worse)}" if worse else "",
                                           f"better for {_keys_md(better)}" if better else "") if x)
+               + m["cached_modes_holm_md"]
                if worse or better
                else "; against each format's own full-prefill answers, the two modes are not distinguishable"))
     # formats the single-needle stages never found worse that the two-key rung did
@@ -1150,6 +1162,12 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "on Gemma at 8k with the prompt quantized, q4_0 is still not worse than full precision; per-token INT4 is":
             _claim(G["cached"]["measured"] and G["cached"]["c"]["q4_0 8192"]["verdict"] != "worse"
                    and G["cached"]["c"]["int4_token 8192"]["verdict"] == "worse", G["cached"]["status"]),
+        "on Gemma at 32k with the prompt reading the cache, per-token INT4 is worse than full precision and FP8, INT8 "
+        "and q4_0 are not; FP8's gain over its own full prefill does not survive Holm":
+            _claim(32768 in G["cached"]["lengths"]
+                   and [f for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
+                        if G["cached"]["c"][f"{f} 32768"]["verdict"] == "worse"] == ["int4_token"]
+                   and not G["cached_modes_holm"].get("fp8_e4m3 32768", True), G["cached"]["status"]),
         "on Gemma every growing loss keeps growing past 8k and is smaller at 32k, where full precision falls":
             _claim(G["grows_common"] and all(G["grows_to"][f] > len([n for n in G["lengths"] if n <= CH4_COMMON_LONGEST])
                                             for f in G["grows_common"])
