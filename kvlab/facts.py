@@ -550,12 +550,12 @@ def _cached_at_md(m: dict, n: int) -> str:
     def d(k):  # needles found with the prompt reading the cache, less those found with it in full precision
         return m["cached_vs_full"][k]["cached"][0] - m["cached_vs_full"][k]["full"][0]
 
-    return (f"at {_k(n)} (full precision {c} of {t}), with the prompt reading the cache, paired: " + "; ".join(
-        f"`{k.split()[0]}` found {m['cached_vs_full'][k]['cached'][0]} (against {m['cached_vs_full'][k]['full'][0]} "
-        f"with the prompt in full precision; against full precision −{m['cached']['c'][k]['lost']} "
+    return (f"at {_k(n)} (full precision found {c} of {t}), with the prompt reading the cache: " + "; ".join(
+        f"`{k.split()[0]}` found {m['cached_vs_full'][k]['cached'][0]} ({m['cached_vs_full'][k]['full'][0]} with a "
+        f"full-precision prefill; against full precision's answers −{m['cached']['c'][k]['lost']} "
         f"+{m['cached']['c'][k]['gained']}, {m['cached']['c'][k]['verdict']})" for k in keys)
-        + f". Set against its own full-prefill answers on the same prompts, {m['cached_modes_at'][n]}"
-        + (". Needles found with the prompt reading the cache, against with it in full precision: " + "; ".join(
+        + f". Against the same format with a full-precision prefill, on the same prompts, {m['cached_modes_at'][n]}"
+        + (". Needles found with the prompt reading the cache, compared with a full-precision prefill: " + "; ".join(
             f"{what} {names_md(fs)}" for what, fs in (("fewer for", [k.split()[0] for k in keys if d(k) < 0]),
                                                      ("more for", [k.split()[0] for k in keys if d(k) > 0]),
                                                      ("as many for", [k.split()[0] for k in keys if d(k) == 0])) if fs))
@@ -1063,10 +1063,32 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         kept = dict(zip(modes, holm([pr.p for pr in modes.values()]))) if modes else {}
         m["cached_modes_holm"] = kept
         apart = [f for f, pr in modes.items() if pr.verdict != "not distinguishable"]
+        n_f = len({f.split()[0] for f in modes})
+        family = f"the {len(modes)} comparisons of the two modes on {m['name']} ({n_f} formats × {len(modes) // max(n_f, 1)} lengths)"
         m["cached_modes_holm_md"] = "" if not apart else (
-            f". Among the {len(modes)} comparisons of the two modes on {m['name']}, Holm's correction for their number "
-            "(as in this chapter's summary) " + " and ".join(
-                f"{'keeps' if kept[f] else 'withdraws'} `{f.split()[0]}` at {_k(int(f.split()[1]))}" for f in apart))
+            ". Counted among " + family + ", Holm's correction (see the glossary) "
+            + " and ".join(f"{'keeps' if kept[f] else 'withdraws'} `{f.split()[0]}` at {_k(int(f.split()[1]))}"
+                           for f in apart))
+        # each format's two modes pooled over every length measured (distinct prompts at each length)
+        from .results import mcnemar
+        from .results import verdict as paired_verdict
+
+        pooled = {}
+        for f, pr in modes.items():
+            a = pooled.setdefault(f.split()[0], [0, 0])
+            a[0] += pr.lost
+            a[1] += pr.gained
+        pk = dict(zip(pooled, holm([mcnemar(lo, ga) for lo, ga in pooled.values()]))) if pooled else {}
+        m["cached_modes_pooled"] = {f: (lo, ga, mcnemar(lo, ga), paired_verdict(lo, ga), pk[f])
+                                    for f, (lo, ga) in pooled.items()}
+        differ = [f for f, v in m["cached_modes_pooled"].items() if v[3] != "not distinguishable"]
+        m["cached_modes_pooled_md"] = "" if len(m["cached"]["lengths"]) < 2 else (
+            f" Pooled over {m['cached']['lengths_text']} (the same test on every prompt of both lengths), the two modes "
+            "compared: " + ", ".join(f"`{f}` −{lo} +{ga} (p = {p_:.3f}{', ' + v + ' with the prompt reading the cache' if v != 'not distinguishable' else ''})"
+                                     for f, (lo, ga, p_, v, _) in m["cached_modes_pooled"].items())
+            + ("" if not differ else "; Holm's correction over these " + str(len(pooled)) + " "
+               + " and ".join(f"{'keeps' if m['cached_modes_pooled'][f][4] else 'withdraws'} `{f}`'s" for f in differ))
+            + ".")
         m["cached_modes_md"] = _modes_md(modes)
         # the same, one length at a time ({G[cached_modes_at][8192]} in a template)
         m["cached_modes_at"] = {n: _modes_md({f: pr for f, pr in modes.items() if f.endswith(f" {n}")})
@@ -1079,9 +1101,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                            and m["c"].get(key, {}).get("verdict") != "worse"]
         better_ref = [key for key in m["cached_vs_full"] if m["cached"]["c"][key]["verdict"] == "better"]
         worse_ref = [key for key in m["cached_vs_full"] if m["cached"]["c"][key]["verdict"] == "worse"]
-        better = [f for f, pr in modes.items() if pr.verdict == "better"]
         m["cached_brief_md"] = "" if not modes else (
-            f"On {m['name']} at {m['cached']['lengths_text']}, "
+            f"On {m['name']} ({m['cached']['lengths_text']}), "
             + ("; ".join(f"`{key.split()[0]}` was worse than full precision at {_k(int(key.split()[1]))} with the prompt "
                          f"reading the cache (−{m['cached']['c'][key]['lost']} +{m['cached']['c'][key]['gained']}) and "
                          "not with the prompt in full precision, a difference of verdicts rather than a measured "
@@ -1092,12 +1113,19 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             + ("; " + "; ".join(f"`{key.split()[0]}` answered more prompts than full precision at {_k(int(key.split()[1]))} "
                                 f"with the prompt reading the cache (−{m['cached']['c'][key]['lost']} "
                                 f"+{m['cached']['c'][key]['gained']})" for key in better_ref) if better_ref else "")
-            + ("; against each format's own full-prefill answers, the quantized prefill is "
-               + " and ".join(x for x in (f"worse for {_keys_md(worse)}" if worse else "",
-                                          f"better for {_keys_md(better)}" if better else "") if x)
-               + m["cached_modes_holm_md"]
-               if worse or better
-               else "; against each format's own full-prefill answers, the two modes are not distinguishable"))
+            + ("; against the same format with a full-precision prefill, "
+               + ("no difference survives Holm's correction over " if not any(kept[f] for f in apart) else
+                  "Holm's correction over ") + family + (" (uncorrected: " if not any(kept[f] for f in apart) else " keeps ")
+               + ", ".join(f"`{f.split()[0]}` at {_k(int(f.split()[1]))} {modes[f].verdict} with the prompt reading "
+                           f"the cache, −{modes[f].lost} +{modes[f].gained}, p = {modes[f].p:.2f}"
+                           for f in apart if not any(kept[g] for g in apart) or kept[f])
+               + (")" if not any(kept[f] for f in apart) else "")
+               if apart
+               else "; against the same format with a full-precision prefill, the two modes are not distinguishable")
+            + ("" if not [f for f, v in m["cached_modes_pooled"].items() if v[3] != "not distinguishable" and v[4]] else
+               "; pooled over both lengths, " + ", ".join(
+                   f"`{f}` was {v[3]} with the prompt reading the cache (−{v[0]} +{v[1]}, p = {v[2]:.3f}, kept by Holm)"
+                   for f, v in m["cached_modes_pooled"].items() if v[3] != "not distinguishable" and v[4])))
     # formats the single-needle stages never found worse that the two-key rung did
     values["multikey_new"] = [(values[k]["name"], f) for k in keys for f in values[k]["multikey"]["by"]
                               if values[k]["multikey"]["by"][f]["worse_at"] and f in values[k]["held"]]
@@ -1126,7 +1154,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         f"\n\nOn {S['name']}, {md}" for md in S["cached_at_md"].values())
     # Gemma's cached stage past 8k (4.4's 8k paragraph is written out; longer lengths join as they finish)
     values["g_cached_long_md"] = "" if G is None else "".join(
-        f"\n\nOn {G['name']}, {md}" + _direction_md(G, n) for n, md in G["cached_at_md"].items() if n != 8192)
+        f"\n\nOn {G['name']}, {md}" + _direction_md(G, n) for n, md in G["cached_at_md"].items() if n != 8192) \
+        + ("" if G is None else G["cached_modes_pooled_md"])
     values["cached_brief_md"] = ". ".join(values[k]["cached_brief_md"] for k in keys if values[k].get("cached_brief_md")) \
         or "Not run yet"
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
@@ -1783,7 +1812,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "cached_lengths_md": "; ".join(
             f"at {_k(L)} " + ", ".join(f"`{f}` {c}/{n}" for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
                                        for c, n in [sweeps["gemma3-270m"].counts("cached", f, L)] if n)
-            + " (full precision {}/{})".format(*sweeps["gemma3-270m"].counts("filler", "fp32", L))
+            + " (full precision {}/{}".format(*sweeps["gemma3-270m"].counts("filler", "fp32", L))
+            + "; by the paired test, different from it: " + (names_md([f for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
+                                                           if sweeps["gemma3-270m"].counts("cached", f, L)[1] and
+                                                           sweeps["gemma3-270m"].paired("cached", f, L).verdict
+                                                           != "not distinguishable"]) or "none") + ")"
             for L in sweeps["gemma3-270m"].lengths("cached")),
         "cached_lengths_k": " and ".join(_k(L) for L in sweeps["gemma3-270m"].lengths("cached")),
         "share1": share1, "small_gain": one["int4"] / one["bf16"], "gain8": at8["int4"] / at8["bf16"] if at8 else None,
