@@ -1197,6 +1197,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                    and [f for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
                         if G["cached"]["c"][f"{f} 32768"]["verdict"] == "worse"] == ["int4_token"]
                    and not G["cached_modes_holm"].get("fp8_e4m3 32768", True), G["cached"]["status"]),
+        "pooled over 8k and 32k, only per-token INT4's two prefill modes differ on Gemma, kept by Holm (worse with "
+        "the prompt reading the cache)":
+            _claim([f for f, v in G["cached_modes_pooled"].items() if v[3] != "not distinguishable" and v[4]]
+                   == ["int4_token"] and G["cached_modes_pooled"]["int4_token"][3] == "worse", G["cached_modes_pooled"]),
         "on Gemma every growing loss keeps growing past 8k and is smaller at 32k, where full precision falls":
             _claim(G["grows_common"] and all(G["grows_to"][f] > len([n for n in G["lengths"] if n <= CH4_COMMON_LONGEST])
                                             for f in G["grows_common"])
