@@ -78,10 +78,9 @@ def main(argv=None) -> dict:
         formats = [get_format(f).name for f in args.formats or format_names()]
     except ValueError as e:
         p.error(f"--formats: {e}")
-    if twice := next((f for i, f in enumerate(formats) if f in formats[:i]), None):
-        p.error(f"--formats lists {twice} twice")
-    if twice := next((n for i, n in enumerate(args.contexts) if n in args.contexts[:i]), None):
-        p.error(f"--contexts lists {twice} twice")
+    for flag, vals in (("formats", formats), ("contexts", args.contexts)):
+        if len(set(vals)) < len(vals):
+            p.error(f"--{flag} lists {next(v for v in vals if vals.count(v) > 1)} twice")
     if why := model_problem(args.model):  # before torch loads
         p.error(why)
     import torch

@@ -541,14 +541,21 @@ def _modes_md(modes: dict) -> str:
             + (f" (prompts the quantized prefill lost and gained: {shown})" if shown else ""))
 
 
+def _moved(m: dict, fmt: str, n) -> int | None:
+    """Needles ``fmt`` found at ``n`` tokens with the prompt reading its cache, less those it found with a
+    full-precision prefill on the same prompts (None where the cached stage did not run it there)."""
+    v = m["cached_vs_full"].get(f"{fmt} {n}")
+    return None if v is None else v["cached"][0] - v["full"][0]
+
+
 def _cached_at_md(m: dict, n: int) -> str:
     """One length of a model's prompt-reads-the-cache stage: each format against full precision (whose answers
     come from the filler stage, the same prompts), and against its own answers with the prompt in full precision."""
     c, t = m["cached"]["ref"][n]
     keys = [k for k in m["cached_vs_full"] if k.endswith(f" {n}")]
 
-    def d(k):  # needles found with the prompt reading the cache, less those found with it in full precision
-        return m["cached_vs_full"][k]["cached"][0] - m["cached_vs_full"][k]["full"][0]
+    def d(k):
+        return _moved(m, *k.split())
 
     return (f"at {_k(n)} (full precision found {c} of {t}), with the prompt reading the cache: " + "; ".join(
         f"`{k.split()[0]}` found {m['cached_vs_full'][k]['cached'][0]} ({m['cached_vs_full'][k]['full'][0]} with a "
@@ -566,8 +573,7 @@ def _direction_md(m: dict, n: int, base: int = 8192) -> str:
     """Whether the formats that found fewer needles at ``base`` with the prompt reading the cache did so again at
     ``n`` (a direction read from counts; the paired verdicts above are the test)."""
     def moved(f, at):
-        v = m["cached_vs_full"].get(f"{f} {at}")
-        return None if v is None else v["cached"][0] - v["full"][0]
+        return _moved(m, f, at)
 
     fewer = [k.split()[0] for k in m["cached_vs_full"] if k.endswith(f" {base}") and moved(k.split()[0], base) < 0]
     if not fewer:
@@ -1089,7 +1095,6 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             + ("" if not differ else "; Holm's correction over these " + str(len(pooled)) + " "
                + " and ".join(f"{'keeps' if m['cached_modes_pooled'][f][4] else 'withdraws'} `{f}`'s" for f in differ))
             + ".")
-        m["cached_modes_md"] = _modes_md(modes)
         # the same, one length at a time ({G[cached_modes_at][8192]} in a template)
         m["cached_modes_at"] = {n: _modes_md({f: pr for f, pr in modes.items() if f.endswith(f" {n}")})
                                 + (m["cached_modes_holm_md"] if any(f.endswith(f" {n}") for f in apart) else "")
@@ -1811,8 +1816,6 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "per_seq_tps": plans[call]["tokens_per_s"] / concurrency if call and plans.get(call) else None,
         "bf_seq_tps": plans["bf16"]["tokens_per_s"] / concurrency if plans.get("bf16") else None,
         # the prompt reading its own quantized cache (chapter 4's cached stage on Gemma, every whole length)
-        "cached8k_md": ", ".join(f"`{f}` {c}/{n}" for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
-                                 for c, n in [sweeps["gemma3-270m"].counts("cached", f, 8192)] if n),
         "cached_lengths_md": "; ".join(
             f"at {_k(L)} " + ", ".join(f"`{f}` {c}/{n}" for f in ("fp8_e4m3", "int8", "q4_0", "int4_token")
                                        for c, n in [sweeps["gemma3-270m"].counts("cached", f, L)] if n)
@@ -1977,7 +1980,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "fp8_e5m2 held on Gemma's needles": _claim(values["g_e5"] == "held", values["g_e5"]),
         "with the prompt reading its own quantized cache at 8k on Gemma, FP8 and INT8 found every needle":
             _claim(all(c == n > 0 for f in ("fp8_e4m3", "int8") for c, n in [sweeps["gemma3-270m"].counts("cached", f, 8192)]),
-                   values["cached8k_md"]),
+                   values["cached_lengths_md"]),
         "at the fixed load the call's sequences decode faster than BF16's, by under 1.5x":
             _claim(values["per_seq_tps"] is not None and values["bf_seq_tps"] is not None
                    and 1 < values["per_seq_tps"] / values["bf_seq_tps"] < 1.5, (values["per_seq_tps"], values["bf_seq_tps"])),
