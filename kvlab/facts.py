@@ -399,6 +399,20 @@ def needle_label(mf: dict, fmt: str) -> str:
     return f"worse pooled (−{p.lost} +{p.gained})"
 
 
+def _needle_with_holm_md(fmt: str, mfs) -> str:
+    """``fmt``'s paired needle verdict on each model (:func:`needle_label`), saying of each verdict of worse
+    whether Holm's correction for the tests the format faced keeps it: "held on Gemma; on SmolLM2 worse pooled
+    (−12 +0), which Holm's correction keeps"."""
+    held = [short_model_name(mf["name"]) for mf in mfs if fmt in mf["held"]]
+    parts = [f"held on {' and '.join(held)}"] if held else []
+    for mf in mfs:
+        if fmt in mf["held"] or (fmt not in mf["by"] and fmt not in mf.get("partial", {})):
+            continue
+        kept = "withdraws" if fmt in mf["holm_rescued"] else "keeps"
+        parts.append(f"on {short_model_name(mf['name'])} {needle_label(mf, fmt)}, which Holm's correction {kept}")
+    return "; ".join(parts) or "not measured"
+
+
 def paired_risk(sweeps: dict | None = None, model_facts: list | None = None) -> dict:
     """Chapter 4's paired verdicts per model, the quality input of :func:`kvlab.decide.options`:
     ``{model name: {"held": [formats], "needle": {format: short verdict}, "ppl": {format: perplexity change}}}``.
@@ -1845,6 +1859,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         # verdicts of worse that Holm's correction for those tests would drop (chapter 4), per model
         "holm_rescued_md": "; ".join(f"{names_md(fs)} on {short_model_name(mf['name'])}" for mf in (smol, gemma)
                                      if (fs := [f for f in mf["holm_rescued"] if f in by])) or "none of this chapter's formats",
+        # the same for the formats measured outside 6.2's table (mitigations, engines' variants)
+        "holm_rescued_outside_md": "; ".join(f"{names_md(fs)} on {short_model_name(mf['name'])}" for mf in (smol, gemma)
+                                             if (fs := [f for f in mf["holm_rescued"] if f not in by])) or "none",
+        # NVFP4's needle verdict on each model, and whether a verdict of worse survives Holm's correction
+        "nvfp4_needle_md": _needle_with_holm_md("nvfp4", (smol, gemma)),
         # formats added later that Holm would clear and that stay under the bar: without a needle verdict on every
         # model yet, they are what keeps them off the list
         "holm_added": (holm_added := list(dict.fromkeys(

@@ -188,3 +188,19 @@ def test_llamacpp_on_gemma_is_tabled_beside_kvlab_with_each_sides_verdict(tmp_pa
     doc["cache_types"]["q4_0"]["rows"] = [row([True] * 8)]
     (tmp_path / "l.json").write_text(json.dumps(doc))
     assert not facts.llamacpp_gemma(sweep, tmp_path / "l.json")["llama_gemma_agree"]
+
+
+def test_a_needle_verdict_says_whether_holms_correction_keeps_it():
+    from kvlab.results import LONG_SWEEPS, LongSweep
+
+    mfs = [facts._model_facts(sw, sw.all_formats) for sw in (LongSweep.load(p) for p in LONG_SWEEPS.values())]
+    for fmt in ("nvfp4", "lmdeploy-int4", "fp8_e4m3"):
+        text = facts._needle_with_holm_md(fmt, mfs)
+        for mf in mfs:
+            name = facts.short_model_name(mf["name"])
+            if fmt in mf["held"]:
+                assert "held on" in text and name in text.split(";")[0]
+            else:
+                kept = "withdraws" if fmt in mf["holm_rescued"] else "keeps"
+                assert f"on {name} {facts.needle_label(mf, fmt)}, which Holm's correction {kept}" in text
+    assert facts._needle_with_holm_md("no-such-format", mfs) == "not measured"
