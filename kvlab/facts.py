@@ -475,6 +475,18 @@ CH4_MITIGATIONS = {"int4_token+sinks4": "int4_token", "int4_token+residual128": 
                    "int4_g16": "int4", "int4_token@global": "int4_token", "int4_token@sliding": "int4_token"}
 
 
+def _same_groups_but_zero(head_dim: int) -> bool:
+    """Whether, for heads ``head_dim`` wide, ``int4`` and ``int4_token`` put the same key values under one scale
+    and differ only in ``int4``'s zero point (asymmetric) against ``int4_token``'s symmetric codes."""
+    from .formats import get_format
+
+    f, g = get_format("int4"), get_format("int4_token")
+    return values_per_scale("int4", head_dim) == values_per_scale("int4_token", head_dim) == str(head_dim) and all(
+        a.element == b.element and a.scale_bits == b.scale_bits and a.full_range == b.full_range
+        and not a.symmetric and b.symmetric and a.group_size == head_dim and b.granularity == "token"
+        for a, b in ((f.key, g.key), (f.value, g.value)))
+
+
 def values_per_scale(fmt: str, head_dim: int) -> str:
     """How many of a key's values share one scale: the granularity that decides INT4's fate (as text)."""
     from .formats import get_format
@@ -1267,6 +1279,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "on Gemma KIVI-2 is worse at one length, in filler sentences only":
             _claim(len(G["by"]["kivi-2"]["worse_at"]) == 1 and not G["prose"]["by"]["kivi-2"]["worse_at"],
                    (G["by"]["kivi-2"]["worse_at"], G["prose"]["by"]["kivi-2"]["worse_at"])),
+        "on SmolLM2 int4 and int4_token share a scale among as many values and differ only in the zero point, "
+        "which costs int4_token over twice int4's perplexity": _claim(
+            S is None or (_same_groups_but_zero(S["head_dim"]) and S["ppl"]["int4_token"] > 2 * S["ppl"]["int4"] > 0),
+            S and (S["head_dim"], S["ppl"]["int4"], S["ppl"]["int4_token"])),
         "on Gemma every mitigation costs more than the perplexity tolerance":
             _claim(all(not G["by"][f]["ppl_ok"] for f in CH4_MITIGATIONS if f in G["by"])),
     }
@@ -1341,7 +1357,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     n_pooled = {short(m): {m["pooled"][f].prompts for f in values["never_both"]} for m in both}
     uniform = all(len(v) == 1 for v in n_pooled.values())  # every format pooled the same prompts on a model
     values["never_both_pooled_md"] = "; ".join(
-        f"`{f}` " + ", ".join(f"{m['pooled'][f].lost}/{m['pooled'][f].gained}"
+        f"`{f}` " + ", ".join(f"−{m['pooled'][f].lost} +{m['pooled'][f].gained}"
                               + ("" if uniform else f" of {m['pooled'][f].prompts}") + f" on {short(m)}" for m in both)
         for f in values["never_both"]) + ("" if not uniform or not values["never_both"] else " (of " + ", ".join(
             f"{next(iter(v))} prompts on {m}" for m, v in n_pooled.items()) + ")")
