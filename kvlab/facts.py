@@ -341,6 +341,11 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
     intervals = {n: sweep.perplexity_interval(n) for n in ppl}  # 90% bootstrap over the passages read
     # each verdict rests on several tests (a length in each haystack, and pooled): those still "worse" after Holm
     tests = {n: sweep.needle_tests(n, SINGLE_NEEDLE) for n in f["by"]}
+    # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
+    cached_vs_full = {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
+                                   "paired": sweep.paired("cached", f, n, f, "filler")}
+                      for n in sweep.lengths("cached") for f in sweep.formats
+                      if f != "fp32" and sweep.counts("cached", f, n)[1]}
     for n in pooled_only:  # never worse at one length in either haystack, yet worse pooled: say both
         f["status"][n] = f"never worse at one length, worse pooled (−{pooled[n].lost} +{pooled[n].gained})"
     return f | {
@@ -362,11 +367,10 @@ def _model_facts(sweep, formats: list[str] | None = None) -> dict:
         # called worse by the paired rule, yet by no test once Holm corrects for how many tests a format faces
         "holm_rescued": [n for n in f["by"] if n not in held and not holm_worse(tests[n])],
         "min_p": {n: min(t.p for t in ts.values()) for n, ts in tests.items()},
-        # each format that ran with the prompt reading its own cache, beside the same prompts in full prefill
-        "cached_vs_full": {f"{f} {n}": {"cached": sweep.counts("cached", f, n), "full": sweep.counts("filler", f, n),
-                                        "paired": sweep.paired("cached", f, n, f, "filler")}
-                           for n in sweep.lengths("cached") for f in sweep.formats
-                           if f != "fp32" and sweep.counts("cached", f, n)[1]},
+        "cached_vs_full": cached_vs_full,
+        # the same two modes pooled over every length the cached stage ran (each prompt still against itself)
+        "cached_modes_pooled_paired": {f: sweep.paired_pooled("cached", f, f, reference_stage="filler")
+                                       for f in dict.fromkeys(k.split()[0] for k in cached_vs_full)},
         "ppl_paired": {n: sweep.paired_perplexity(n) for n in ppl},
         # where the passages read decide which side of the bar a format falls: 90% bootstrap interval over passages
         "ppl_on_bar": {n: iv for n, iv in intervals.items() if iv[0] <= PPL_TOLERANCE < iv[1]},
@@ -397,6 +401,25 @@ def needle_label(mf: dict, fmt: str) -> str:
         return "worse in prose at " + ", ".join(_k(n) for n in at)
     p = mf["pooled"][fmt]
     return f"worse pooled (−{p.lost} +{p.gained})"
+
+
+def _modes_holm_md(modes: dict, kept: dict, family: str) -> str:
+    """What Holm's correction over ``family`` (text) leaves of the differences between a format's two prefill modes:
+    ``modes`` maps "fmt length" to its :class:`~kvlab.results.Paired` (cached against full prefill, same prompts),
+    ``kept`` to whether Holm keeps it. Names the kept differences, or says none survives and gives the uncorrected
+    ones in brackets."""
+    apart = [f for f, pr in modes.items() if pr.verdict != "not distinguishable"]
+    if not apart:
+        return "the two modes are not distinguishable"
+
+    def one(f):
+        pr = modes[f]
+        return (f"`{f.split()[0]}` at {_k(int(f.split()[1]))} {pr.verdict} with the prompt reading the cache, "
+                f"−{pr.lost} +{pr.gained}, p = {pr.p:.2f}")
+
+    if survivors := [f for f in apart if kept[f]]:
+        return f"Holm's correction over {family} keeps " + ", ".join(one(f) for f in survivors)
+    return f"no difference survives Holm's correction over {family} (uncorrected: " + ", ".join(map(one, apart)) + ")"
 
 
 def _needle_with_holm_md(fmt: str, mfs) -> str:
@@ -1102,20 +1125,14 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             + " and ".join(f"{'keeps' if kept[f] else 'withdraws'} `{f.split()[0]}` at {_k(int(f.split()[1]))}"
                            for f in apart))
         # each format's two modes pooled over every length measured (distinct prompts at each length)
-        from .results import mcnemar
-        from .results import verdict as paired_verdict
-
-        pooled = {}
-        for f, pr in modes.items():
-            a = pooled.setdefault(f.split()[0], [0, 0])
-            a[0] += pr.lost
-            a[1] += pr.gained
-        pk = dict(zip(pooled, holm([mcnemar(lo, ga) for lo, ga in pooled.values()]))) if pooled else {}
-        m["cached_modes_pooled"] = {f: (lo, ga, mcnemar(lo, ga), paired_verdict(lo, ga), pk[f])
-                                    for f, (lo, ga) in pooled.items()}
+        pooled = m["cached_modes_pooled_paired"]
+        pk = dict(zip(pooled, holm([pr.p for pr in pooled.values()]))) if pooled else {}
+        m["cached_modes_pooled"] = {f: (pr.lost, pr.gained, pr.p, pr.verdict, pk[f]) for f, pr in pooled.items()}
         differ = [f for f, v in m["cached_modes_pooled"].items() if v[3] != "not distinguishable"]
         m["cached_modes_pooled_md"] = "" if len(m["cached"]["lengths"]) < 2 else (
-            f" Pooled over {m['cached']['lengths_text']} (the same test on every prompt of both lengths), the two modes "
+            " Pooled over " + " and ".join(_k(n) for n in m["cached"]["lengths"])
+            + " (the same test on every prompt of " + ("both" if len(m["cached"]["lengths"]) == 2 else "all")
+            + " lengths), the two modes "
             "compared: " + ", ".join(f"`{f}` −{lo} +{ga} (p = {p_:.3f}{', ' + v + ' with the prompt reading the cache' if v != 'not distinguishable' else ''})"
                                      for f, (lo, ga, p_, v, _) in m["cached_modes_pooled"].items())
             + ("" if not differ else "; Holm's correction over these " + str(len(pooled)) + " "
@@ -1144,15 +1161,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             + ("; " + "; ".join(f"`{key.split()[0]}` answered more prompts than full precision at {_k(int(key.split()[1]))} "
                                 f"with the prompt reading the cache (−{m['cached']['c'][key]['lost']} "
                                 f"+{m['cached']['c'][key]['gained']})" for key in better_ref) if better_ref else "")
-            + ("; against the same format with a full-precision prefill, "
-               + ("no difference survives Holm's correction over " if not any(kept[f] for f in apart) else
-                  "Holm's correction over ") + family + (" (uncorrected: " if not any(kept[f] for f in apart) else " keeps ")
-               + ", ".join(f"`{f.split()[0]}` at {_k(int(f.split()[1]))} {modes[f].verdict} with the prompt reading "
-                           f"the cache, −{modes[f].lost} +{modes[f].gained}, p = {modes[f].p:.2f}"
-                           for f in apart if not any(kept[g] for g in apart) or kept[f])
-               + (")" if not any(kept[f] for f in apart) else "")
-               if apart
-               else "; against the same format with a full-precision prefill, the two modes are not distinguishable")
+            + "; against the same format with a full-precision prefill, " + _modes_holm_md(modes, kept, family)
             + ("" if not [f for f, v in m["cached_modes_pooled"].items() if v[3] != "not distinguishable" and v[4]] else
                "; pooled over both lengths, " + ", ".join(
                    f"`{f}` was {v[3]} with the prompt reading the cache (−{v[0]} +{v[1]}, p = {v[2]:.3f}, kept by Holm)"

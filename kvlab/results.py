@@ -425,26 +425,30 @@ class LongSweep:
         return Paired(fmt, reference, len(keys), sum(a), sum(b),
                       lost=sum(y and not x for x, y in zip(a, b)), gained=sum(x and not y for x, y in zip(a, b)))
 
-    def _paired_if_run(self, stage: str, fmt: str, length: int, reference: str) -> Paired | None:
+    def _paired_if_run(self, stage: str, fmt: str, length: int, reference: str,
+                       reference_stage: str | None = None) -> Paired | None:
         """:meth:`paired`, or None where the two did not both run; a format still being added (:class:`Incomplete`)
         is not "did not run": that error goes on, so no pooled or per-length verdict rests on part of a length."""
         try:
-            return self.paired(stage, fmt, length, reference)
+            return self.paired(stage, fmt, length, reference, reference_stage)
         except Incomplete:
             raise
         except KeyError:
             return None
 
-    def paired_pooled(self, stage: str | tuple[str, ...], fmt: str, reference: str = "fp32") -> Paired:
+    def paired_pooled(self, stage: str | tuple[str, ...], fmt: str, reference: str = "fp32",
+                      reference_stage: str | None = None) -> Paired:
         """``fmt`` against ``reference`` on every prompt of every complete length of ``stage`` (or of each stage
         in a tuple, e.g. both haystacks) at once: the same paired test with more prompts (each prompt is still
         compared with itself), so a loss too small for one length's test can show. Lengths where either did not
         run are skipped; a format added later that has reached only some prompts of a length is refused
-        (:class:`Incomplete`), not pooled over the lengths it has finished."""
+        (:class:`Incomplete`), not pooled over the lengths it has finished. ``reference_stage`` is
+        :meth:`paired`'s: ``paired_pooled("cached", "q4_0", "q4_0", "filler")`` pools one format's two prefill
+        modes over every length the cached stage ran."""
         parts = []
         for st in (stage,) if isinstance(stage, str) else stage:
             for n in self.lengths(st):
-                if (pr := self._paired_if_run(st, fmt, n, reference)) is not None:
+                if (pr := self._paired_if_run(st, fmt, n, reference, reference_stage)) is not None:
                     parts.append(pr)
         if not parts:
             raise KeyError(f"no prompts where {fmt!r} and {reference!r} both ran in {stage!r}")

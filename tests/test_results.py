@@ -499,3 +499,16 @@ def test_paired_nll_pairs_windows_and_refuses_unequal_lists():
     assert r["increase"] == pytest.approx(math.exp(32 / 30) / math.exp(1) - 1)
     with pytest.raises(ValueError, match="one NLL per window"):
         paired_nll([1.0], [1.0, 2.0], [5])
+
+
+def test_one_formats_two_prefill_modes_pool_over_the_cached_lengths_only(tmp_path):
+    """At each of two cached lengths reading the cache loses 3 prompts of 4 that the full prefill answered;
+    the filler stage also has a third length the cached stage never ran, which the pooled test must skip."""
+    recs = [_rec("filler", n, 0.0, i, fp32=True, int4=True) for n in (1024, 2048, 4096) for i in range(4)]
+    recs += [_rec("cached", n, 0.0, i, int4=i == 0) for n in (1024, 2048) for i in range(4)]
+    s = R.LongSweep.load(_write(tmp_path, recs))
+    pooled = s.paired_pooled("cached", "int4", "int4", reference_stage="filler")
+    each = [s.paired("cached", "int4", n, "int4", "filler") for n in (1024, 2048)]
+    assert (pooled.prompts, pooled.lost, pooled.gained) == (8, 6, 0) == (sum(p.prompts for p in each),
+                                                                         sum(p.lost for p in each), 0)
+    assert pooled.verdict == "worse" and all(p.verdict == "not distinguishable" for p in each)
