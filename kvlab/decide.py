@@ -388,12 +388,23 @@ def by_engine(plans: dict[str, dict | None], rows: list[dict]) -> dict[str, list
 
 def by_engine_md(picks: dict[str, list[str]], plans: dict[str, dict | None], rows: list[dict]) -> str:
     """:func:`by_engine` as a table: each engine's first format, its flag (the notes after it are in
-    :func:`switch_md`), its GPUs, and the engine's other formats that passed."""
+    :func:`switch_md`), its GPUs, and the engine's other formats that passed, each with its GPUs and whether it
+    ties the first (as :func:`choose` ties: as many GPUs, modelled throughput within ``THROUGHPUT_TIE``) or by how
+    much less throughput it models."""
     flags = {r["kv_format"]: r["engines"] for r in rows}
+
+    def other(f, first):
+        a, b = plans[f], plans[first]
+        if a["gpus"] != b["gpus"]:
+            return f"`{f}` ({a['gpus']} GPUs)"
+        if a["tokens_per_s"] >= (1 - THROUGHPUT_TIE) * b["tokens_per_s"]:
+            return f"`{f}` ({a['gpus']} GPUs, a tie)"
+        return f"`{f}` ({a['gpus']} GPUs, {1 - a['tokens_per_s'] / b['tokens_per_s']:.1%} less throughput)"
+
     out = ["| engine | format | flag | GPUs | also passed |", "|---|---|---|---:|---|"]
     for engine, fs in picks.items():
         first = fs[0]
         flag = flags[first][engine].partition(" (")[0]
-        also = ", ".join(f"`{f}` ({plans[f]['gpus']})" for f in fs[1:]) or "—"
+        also = ", ".join(other(f, first) for f in fs[1:]) or "—"
         out.append(f"| {engine} | `{first}` | `{flag}` | {plans[first]['gpus']} | {also} |")
     return "\n".join(out)

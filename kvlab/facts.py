@@ -832,7 +832,8 @@ def _smollm2_ladder() -> tuple[dict, dict]:
           for n in order if n in sweep["prefill_cached"]}
     acc = {n: (a[0] / a[1], b[0] / b[1]) for n, (a, b) in pf.items()}
     held = ["fp8_e4m3", "int8", "q4_0", "int4", "int4_token"]
-    v |= {"pf": pf, "pf_length": n_pf, "acc": acc, "pf_held_md": ", ".join(f"`{n}` {acc[n][1]:.0%}" for n in held)}
+    v |= {"pf": pf, "pf_length": n_pf, "acc": acc, "pf_held_md": ", ".join(f"`{n}` {acc[n][1]:.0%}" for n in held),
+          "pf_n_full": pf["int4_tensor"][0][1], "pf_n_cached": pf["int4_tensor"][1][1]}
     c |= {
         "25 prompts with the prompt in full precision, 10 with it quantized":
             _claim(all(a[1] == 25 and b[1] == 10 for a, b in pf.values())),
@@ -976,6 +977,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["rungs_md"] = _rungs_md([values[k] for k in keys], values["table_formats"])
     ladder_values, ladder_claims = _smollm2_ladder()
     values |= ladder_values
+    # a zero point per token and head (LMDeploy's INT4, added to the sweeps later) on each model's passages
+    values["zero_point_ppl"] = {CH4_KEYS.get(k, k): sw.paired_perplexity("lmdeploy-int4")["increase"]
+                                for k, sw in sweeps.items() if "lmdeploy-int4" in sw.all_formats}
     values["q"] = _refuse_to_skip([values[k] for k in keys])
     # never worse on the needle: in the filler haystack, in prose where the format ran there, and pooled
     held_low = [(values[k]["name"], f) for k in keys for f in values[k]["held"] if _low_bit(f)]
@@ -1292,6 +1296,13 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "which costs int4_token over twice int4's perplexity": _claim(
             S is None or (_same_groups_but_zero(S["head_dim"]) and S["ppl"]["int4_token"] > 2 * S["ppl"]["int4"] > 0),
             S and (S["head_dim"], S["ppl"]["int4"], S["ppl"]["int4_token"])),
+        "on Gemma a zero point per token and head costs more perplexity than none (lmdeploy-int4 against int4_token)":
+            _claim(values.get("zero_point_ppl", {}).get("G", 0) > G["ppl"]["int4_token"],
+                   (values.get("zero_point_ppl"), G["ppl"]["int4_token"])),
+        "on SmolLM2's paired run at 8k per-token INT4 found fewer needles with the prompt reading the cache":
+            _claim(S is None or (S["cached_vs_full"]["int4_token 8192"]["cached"][0]
+                                 < S["cached_vs_full"]["int4_token 8192"]["full"][0]),
+                   S and S["cached_vs_full"].get("int4_token 8192")),
         "on Gemma every mitigation costs more than the perplexity tolerance":
             _claim(all(not G["by"][f]["ppl_ok"] for f in CH4_MITIGATIONS if f in G["by"])),
     }

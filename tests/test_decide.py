@@ -93,7 +93,11 @@ def test_by_engine_applies_the_call_rule_to_each_engine_s_own_formats():
     assert picks["llama.cpp"] == ["q8_0"]
     md = decide.by_engine_md(picks, plans, rows).splitlines()
     assert md[0].startswith("| engine |") and len(md) == 2 + len(picks)
-    assert any(line.startswith("| vLLM | `fp8_e4m3` | `--kv-cache-dtype fp8` | 3 | `int8` (3) |") for line in md), md
+    assert any(line.startswith("| vLLM | `fp8_e4m3` | `--kv-cache-dtype fp8` | 3 | `int8` (3 GPUs, a tie) |")
+               for line in md), md
+    slower = dict(plans, int8=dict(plans["int8"], tokens_per_s=plans["fp8_e4m3"]["tokens_per_s"] * 0.9))
+    md = decide.by_engine_md({"vLLM": ["fp8_e4m3", "int8"]}, slower, rows)
+    assert "`int8` (3 GPUs, 10.0% less throughput)" in md
 
 
 def test_paired_risk_reads_both_shipped_sweeps():
