@@ -977,6 +977,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["rungs_md"] = _rungs_md([values[k] for k in keys], values["table_formats"])
     ladder_values, ladder_claims = _smollm2_ladder()
     values |= ladder_values
+    # the engines' formats added to both sweeps later (--add-formats): chapter 6 reads them, this chapter names them
+    values["added_md"] = names_md(list(dict.fromkeys(f for sw in sweeps.values() for f in sw.added_formats)))
     # a zero point per token and head (LMDeploy's INT4, added to the sweeps later) on each model's passages
     values["zero_point_ppl"] = {CH4_KEYS.get(k, k): sw.paired_perplexity("lmdeploy-int4")["increase"]
                                 for k, sw in sweeps.items() if "lmdeploy-int4" in sw.all_formats}
@@ -990,6 +992,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                                                           values[k]["multikey"], values[k]["orders"])
                              for f, _ in st.get("cell", {}) if f != "fp32"), "min_detect": fewest_prompts_to_detect(),
                "undetectable": fewest_prompts_to_detect() - 1}
+    values["chance_cells"] = int(0.05 * values["n_tests"])  # the most chance "worse" cells p < 0.05 allows on average
     values["formats_md"] = _formats_md(values["figure_formats"][:3] + ["q8_0"] + values["figure_formats"][3:]
                                        + list(CH4_MITIGATIONS))
     on_bar = [f"`{f}` on {values[k]['name']}" for k in keys for f in values[k]["ppl_on_bar"]]
@@ -1168,7 +1171,7 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             + "; against the same format with a full-precision prefill, " + _modes_holm_md(modes, kept, family)
             + ("" if not [f for f, v in m["cached_modes_pooled"].items() if v[3] != "not distinguishable" and v[4]] else
                "; pooled over both lengths, " + ", ".join(
-                   f"`{f}` was {v[3]} with the prompt reading the cache (−{v[0]} +{v[1]}, p = {v[2]:.3f}, kept by Holm)"
+                   f"`{f}` was {v[3]} with the prompt reading the cache (−{v[0]} +{v[1]}, p = {v[2]:.3f}, kept by Holm's correction over the " f"{len(m['cached_modes_pooled'])} pooled comparisons)"
                    for f, v in m["cached_modes_pooled"].items() if v[3] != "not distinguishable" and v[4])))
     # formats the single-needle stages never found worse that the two-key rung did
     values["multikey_new"] = [(values[k]["name"], f) for k in keys for f in values[k]["multikey"]["by"]
