@@ -407,19 +407,20 @@ def _modes_holm_md(modes: dict, kept: dict, family: str) -> str:
     """What Holm's correction over ``family`` (text) leaves of the differences between a format's two prefill modes:
     ``modes`` maps "fmt length" to its :class:`~kvlab.results.Paired` (cached against full prefill, same prompts),
     ``kept`` to whether Holm keeps it. Names the kept differences, or says none survives and gives the uncorrected
-    ones in brackets."""
+    ones after it."""
     apart = [f for f, pr in modes.items() if pr.verdict != "not distinguishable"]
     if not apart:
         return "the two modes are not distinguishable"
 
-    def one(f):
+    def one(f, was=""):
         pr = modes[f]
-        return (f"`{f.split()[0]}` at {_k(int(f.split()[1]))} {pr.verdict} with the prompt reading the cache, "
-                f"−{pr.lost} +{pr.gained}, p = {pr.p:.2f}")
+        return (f"`{f.split()[0]}` at {_k(int(f.split()[1]))} {was}{pr.verdict} with the prompt reading the cache "
+                f"(−{pr.lost} +{pr.gained}, p = {pr.p:.2f})")
 
     if survivors := [f for f in apart if kept[f]]:
         return f"Holm's correction over {family} keeps " + ", ".join(one(f) for f in survivors)
-    return f"no difference survives Holm's correction over {family} (uncorrected: " + ", ".join(map(one, apart)) + ")"
+    return (f"no difference survives Holm's correction over {family}; uncorrected, "
+            + ", ".join(one(f, "was ") for f in apart))
 
 
 def _needle_with_holm_md(fmt: str, mfs) -> str:
@@ -1106,10 +1107,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "documents (4.3). "
         "Full precision found " + "; ".join(f"{m['orders']['ref_text']} on {m['name']}" for m in od)
         + ("; no format was worse than full precision there." if not any_worse else
-           "; the formats worse than it there were "
+           ". Worse than full precision on this rung: "
            + "; ".join(f"{m['orders']['short_md'] if not m['orders']['later'] else m['orders']['short_md'] + ', ' + m['orders']['later_md']} on {m['name']}" for m in od)
-           + ("; none that a single needle had passed" if values["orders_new_md"] == "none"
-              else f"; worse there only: {values['orders_new_md']}")
+           + (", each already worse on a single needle" if values["orders_new_md"] == "none"
+              else f"; worse here and on no single needle: {values['orders_new_md']}")
            + f". Pooled over its lengths: {values['orders_pooled_md']}; of these, never worse on a single needle: "
              f"{values['orders_pooled_new_md']}.")
         + " Where full precision answers few prompts, a format can lose only those, so a clean verdict there says "
@@ -1163,8 +1164,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                          "not with the prompt in full precision, a difference of verdicts rather than a measured "
                          "difference" for key in m["cached_new"])
                if m["cached_new"] else
-               "the formats worse than full precision in this mode (" + (_keys_md(worse_ref) or "none")
-               + ") were already worse with the prompt in full precision")
+               ("the formats worse than full precision in this mode, " + _keys_md(worse_ref)
+                + ", were already worse with the prompt in full precision" if worse_ref
+                else "no format was worse than full precision in this mode"))
             + ("; " + "; ".join(f"`{key.split()[0]}` answered more prompts than full precision at {_k(int(key.split()[1]))} "
                                 f"with the prompt reading the cache (−{m['cached']['c'][key]['lost']} "
                                 f"+{m['cached']['c'][key]['gained']})" for key in better_ref) if better_ref else "")

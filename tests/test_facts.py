@@ -212,6 +212,6 @@ def test_the_two_prefill_modes_sentence_keeps_what_holm_keeps_and_brackets_the_r
     same, better = Paired("a", "a", 25, 20, 20, 0, 0), Paired("b", "b", 25, 22, 16, 0, 6)
     assert facts._modes_holm_md({"a 8192": same}, {"a 8192": False}, "F") == "the two modes are not distinguishable"
     kept = facts._modes_holm_md({"a 8192": same, "b 32768": better}, {"a 8192": False, "b 32768": True}, "F")
-    assert kept == "Holm's correction over F keeps `b` at 32k better with the prompt reading the cache, −0 +6, p = 0.03"
+    assert kept == "Holm's correction over F keeps `b` at 32k better with the prompt reading the cache (−0 +6, p = 0.03)"
     dropped = facts._modes_holm_md({"b 32768": better}, {"b 32768": False}, "F")
-    assert dropped.startswith("no difference survives Holm's correction over F (uncorrected: `b` at 32k better")
+    assert dropped.startswith("no difference survives Holm's correction over F; uncorrected, `b` at 32k was better")
