@@ -630,10 +630,9 @@ def _direction_md(m: dict, n: int, base: int = 8192) -> str:
         return ""
     held = [f for f in fewer if (moved(f, n) or 0) < 0]
     gone = [f for f in fewer if moved(f, n) is not None and moved(f, n) >= 0]
-    return (f" The {_k(base)} direction, fewer needles with the prompt reading the cache for {names_md(fewer)}, "
-            + "; ".join(x for x in (f"came back at {_k(n)} for {names_md(held)}" if held else "",
-                                    f"did not carry to {_k(n)} for {names_md(gone)}, which found as many or more there"
-                                    if gone else "") if x)
+    return (f" At {_k(base)}, {names_md(fewer)} found fewer needles with the prompt reading the cache. At {_k(n)} "
+            + "; ".join(x for x in (f"{names_md(held)} again found fewer" if held else "",
+                                    f"{names_md(gone)} found as many or more" if gone else "") if x)
             + " (counts; the paired verdicts above are the test).")
 
 
