@@ -762,13 +762,20 @@ def _refuse_to_skip(models: list[dict]) -> dict:
             "n_failed": len(failed)}
 
 
+def _worse_at_cell(filler: list[int], prose: list[int], pooled_worse: bool) -> str:
+    """Where a format was worse, for one model: "4k, 16k; prose 4k", "prose 4k", "pooled" or "never"."""
+    parts = ([", ".join(_k(n) for n in filler)] if filler else []) + (
+        ["prose " + ", ".join(_k(n) for n in prose)] if prose else [])
+    return "; ".join(parts) or ("pooled" if pooled_worse else "never")
+
+
 def _rungs_md(models: list[dict], fmts: list[str]) -> str:
     """One row per format: per model, the perplexity increase, the short needle's verdict, where it is worse."""
     head = "| format | " + " | ".join(f"{m['name']}: perplexity | short needle ({m['shortest_k']}) | worse at"
                                      for m in models) + " |"
     caption = ("*Filler haystack unless marked. Perplexity in bold where it misses the bar; the short needle's paired verdict; the "
-               "lengths where the paired test finds the format worse, each length alone (\"prose 4k\": worse only in the prose "
-               "haystack, 4.3; \"pooled\": worse only with every length of both haystacks in one test, 4.1).*")
+               "lengths where the paired test finds the format worse, each length alone, in the filler haystack and then in "
+               "prose (\"prose 4k\", 4.3); \"pooled\": worse only with every length of both haystacks in one test, 4.1.*")
     out = [caption, "", head, "|---" * (1 + 3 * len(models)) + "|"]
     for f in fmts:
         if f == "fp32":
@@ -782,10 +789,8 @@ def _rungs_md(models: list[dict], fmts: list[str]) -> str:
             ppl = "—" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}"
             cells += [f"**{ppl}**" if r["ppl_increase"] is not None and not r["ppl_ok"] else ppl,
                       "**worse**" if r["short_verdict"] == "worse" else "not worse",
-                      ", ".join(_k(n) for n in r["worse_at"])
-                      or ("prose " + ", ".join(_k(n) for n in prose_at) if (prose_at := m["prose"]["by"].get(f, {})
-                                                                            .get("worse_at")) else
-                          "pooled" if m["pooled"][f].verdict == "worse" else "never")]
+                      _worse_at_cell(r["worse_at"], m["prose"]["by"].get(f, {}).get("worse_at") or [],
+                                     m["pooled"][f].verdict == "worse")]
         out.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -1181,14 +1186,17 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["multikey_measured"] = [values[k]["name"] for k in keys if values[k]["multikey"]["measured"]]
     mk = [values[k] for k in keys if values[k]["multikey"]["measured"]]
     values["multikey_summary_md"] = "" if not mk else (
-        ("* **A two-key rung found nothing new.** " if not values["multikey_new"] else "* **A two-key rung found more.** ")
+        ("* **A two-key rung found nothing new.** " if not values["multikey_new"] and values["multikey_pooled_new_md"] == "none"
+         else "* **A two-key rung found more.** ")
         + "With two named pass keys in the haystack (4.3), where full precision itself found only "
         + "; ".join(f"{m['multikey']['ref_text']} on {m['name']}" for m in mk)
         + ", the formats worse than full precision were "
         + "; ".join(f"{m['multikey']['short_md'] if not m['multikey']['later'] else m['multikey']['short_md'] + ', ' + m['multikey']['later_md']} on {m['name']}" for m in mk)
-        + (": every one already worse on a single needle. With full precision that low, this rung can show fewer "
-           "losses than the single needle, so read it as a check, not a stricter test." if not values["multikey_new"]
-           else f"; worse there only: {values['multikey_new_md']}."))
+        + (": every one already worse on a single needle" if not values["multikey_new"]
+           else f"; worse there only: {values['multikey_new_md']}")
+        + f". Pooled over its lengths: {values['multikey_pooled_md']}; of these, never worse on a single needle: "
+          f"{values['multikey_pooled_new_md']}. With full precision that low, this rung can show fewer losses than the "
+          "single needle, so read it as a check, not a stricter test.")
 
     G = values.get("G")
     S = values.get("S")
@@ -1300,9 +1308,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "which costs int4_token over twice int4's perplexity": _claim(
             S is None or (_same_groups_but_zero(S["head_dim"]) and S["ppl"]["int4_token"] > 2 * S["ppl"]["int4"] > 0),
             S and (S["head_dim"], S["ppl"]["int4"], S["ppl"]["int4_token"])),
-        "on Gemma a zero point per token and head costs more perplexity than none (lmdeploy-int4 against int4_token)":
-            _claim(values.get("zero_point_ppl", {}).get("G", 0) > G["ppl"]["int4_token"],
-                   (values.get("zero_point_ppl"), G["ppl"]["int4_token"])),
+        "on Gemma a zero point per token and head costs more perplexity than none (lmdeploy-int4 against int4_token), "
+        "and int4's groups of 64 with a zero point cost far less":
+            _claim(values.get("zero_point_ppl", {}).get("G", 0) > G["ppl"]["int4_token"] > G["ppl"]["int4"]
+                   and not get_format("lmdeploy-int4").key.symmetric and get_format("lmdeploy-int4").key.granularity == "token",
+                   (values.get("zero_point_ppl"), G["ppl"]["int4_token"], G["ppl"]["int4"])),
         "on SmolLM2's paired run at 8k per-token INT4 found fewer needles with the prompt reading the cache":
             _claim(S is None or (S["cached_vs_full"]["int4_token 8192"]["cached"][0]
                                  < S["cached_vs_full"]["int4_token 8192"]["full"][0]),
