@@ -1212,8 +1212,17 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["g_cached_long_md"] = "" if G is None else "".join(
         f"\n\nOn {G['name']}, {md}" + _direction_md(G, n) for n, md in G["cached_at_md"].items() if n != 8192) \
         + ("" if G is None else G["cached_modes_pooled_md"])
-    values["cached_brief_md"] = ". ".join(values[k]["cached_brief_md"] for k in keys if values[k].get("cached_brief_md")) \
-        or "Not run yet"
+    ran = [values[k] for k in keys if values[k].get("cached_brief_md")]
+    worse_any = list(dict.fromkeys(key.split()[0] for m in ran for key, c in m["cached"]["c"].items()
+                                   if c["verdict"] == "worse"))
+    fine = [f for f in dict.fromkeys(key.split()[0] for m in ran for key in m["cached"]["c"]) if f not in worse_any]
+    values["cached_brief_md"] = ("In short: " + (names_md(worse_any) + (" was" if len(worse_any) == 1 else " were")
+                                                   + " worse than full precision in this mode" if worse_any
+                                                   else "no format was worse than full precision in this mode")
+                                 + (f"; {names_md(fine)} {'was' if len(fine) == 1 else 'were'} not, at any length"
+                                    f" measured on {'either model' if len(ran) == 2 else 'any model'}"
+                                    if fine and worse_any else "")
+                                 + ". " + ". ".join(m["cached_brief_md"] for m in ran)) if ran else "Not run yet"
     # where SmolLM2 ran with the prompt reading its cache: the paired stage's lengths, and the ladder's unpaired run
     values["s_cached_md"] = ((f"{S['cached']['lengths_text']} (paired) and " if S is not None and S["cached"]["measured"]
                               else "") + f"{values['pf_length']:,} tokens (unpaired)")
