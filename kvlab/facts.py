@@ -702,7 +702,7 @@ def _flags_md(models: list[dict], fmts: list[str]) -> str:
             r = m["by"].get(f)
             if r is None or r["ppl_increase"] is None:
                 return out
-            ppl = f"perplexity {r['ppl_increase']:+.1%}"
+            ppl = f"perplexity {_pct(r['ppl_increase'])}"
             ppl = ppl if r["ppl_ok"] else "**" + ppl + "**"
             if f in m["ppl_on_bar"]:  # the passages read decide the side of the bar
                 lo, hi = m["ppl_on_bar"][f]
@@ -786,7 +786,7 @@ def _rungs_md(models: list[dict], fmts: list[str]) -> str:
             if r is None:
                 cells += ["—"] * 3
                 continue
-            ppl = "—" if r["ppl_increase"] is None else f"{r['ppl_increase']:+.1%}"
+            ppl = "—" if r["ppl_increase"] is None else _pct(r["ppl_increase"])
             cells += [f"**{ppl}**" if r["ppl_increase"] is not None and not r["ppl_ok"] else ppl,
                       "**worse**" if r["short_verdict"] == "worse" else "not worse",
                       _worse_at_cell(r["worse_at"], m["prose"]["by"].get(f, {}).get("worse_at") or [],
