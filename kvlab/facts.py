@@ -758,8 +758,9 @@ def _refuse_to_skip(models: list[dict]) -> dict:
     false = {k: sorted(v & failed) for k, v in passes.items()}
     md = {k: "; ".join(f"`{f}` on {name}" for name, f in v) or "none" for k, v in false.items()}
     best = min(false, key=lambda k: len(false[k]))
+    needles_only = set(false["short"]) & set(false["long"])  # what a short and a longest needle, together, let through
     return {"false": false, "false_md": md, "n_false": {k: len(v) for k, v in false.items()}, "answer": best,
-            "n_failed": len(failed)}
+            "n_failed": len(failed), "n_needles_only": len(needles_only)}
 
 
 def _worse_at_cell(filler: list[int], prose: list[int], pooled_worse: bool) -> str:

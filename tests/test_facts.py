@@ -215,3 +215,23 @@ def test_the_two_prefill_modes_sentence_keeps_what_holm_keeps_and_brackets_the_r
     assert kept == "Holm's correction over F keeps `b` at 32k better with the prompt reading the cache (−0 +6, p = 0.03)"
     dropped = facts._modes_holm_md({"b 32768": better}, {"b 32768": False}, "F")
     assert dropped.startswith("no difference survives Holm's correction over F; uncorrected, `b` at 32k was better")
+
+
+def test_the_eval_to_keep_is_the_rung_that_let_through_fewest_needle_losses():
+    """Chapter 4's check-yourself answer is graded by the sweeps: a loss at a middle length passes the short and the
+    longest needle (both rungs count it), perplexity over its bar catches it, and an 8-bit format never counts."""
+    def row(ppl_ok, short="not worse", worse_at=()):
+        return {"ppl_increase": 0.01 if ppl_ok else 0.5, "ppl_ok": ppl_ok, "short_verdict": short,
+                "worse_at": list(worse_at)}
+
+    model = {"name": "M", "lengths": [1024, 4096, 32768], "longest": 32768, "prose": {"by": {}},
+             "held": ["fp32", "int8", "int4_fine"],
+             "by": {"int8": row(True, worse_at=[4096]),            # 8-bit: not an INT4 case, whatever it did
+                    "int4_fine": row(False),                        # a false alarm of perplexity
+                    "int4_mid": row(False, worse_at=[4096]),        # lost at 4k only: both needle rungs miss it
+                    "int4_short": row(True, "worse", [1024])}}     # the short needle and... not perplexity
+    q = facts._refuse_to_skip([model])
+    assert q["n_failed"] == 2 and q["n_false"] == {"ppl": 1, "short": 1, "long": 2} and q["n_needles_only"] == 1
+    assert q["answer"] in ("ppl", "short") and q["false_md"]["long"] == "`int4_mid` on M; `int4_short` on M"
+    model["by"]["int4_short"]["ppl_ok"] = False
+    assert facts._refuse_to_skip([model])["answer"] == "ppl"
