@@ -1481,7 +1481,7 @@ def llamacpp_gemma(sweep, path=None) -> dict:
     import json
 
     from .paths import RESULTS_DIR
-    from .results import llamacpp_paired, llamacpp_pending
+    from .results import llamacpp_machines_md, llamacpp_paired, llamacpp_pending
 
     path = path or RESULTS_DIR / "engines_llamacpp_gemma3.json"
     if sweep is None or not path.is_file():
@@ -1512,7 +1512,7 @@ def llamacpp_gemma(sweep, path=None) -> dict:
     running = "; ".join(f"{ct} at {_k(n)}: {k} of {len(doc['depths']) * doc['trials']} prompts run so far"
                         for ct, by_n in pending.items() for n, k in by_n.items())
     summary = (f"llama.cpp {doc.get('versions', {}).get('llama-cpp-python', '?')} (llama-cpp-python) ran on "
-               f"{doc.get('machine', '?')}, {doc.get('date', '?')}. "
+               f"{llamacpp_machines_md(doc)}. "
                + ("Against its own full-precision cache, each quantized cache got the same paired verdict in llama.cpp "
                   "as in kvlab: " if same else "The paired verdicts differ between the two: ")
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "

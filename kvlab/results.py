@@ -867,6 +867,50 @@ def _paired(fmt: str, reference: str, a: list[bool], b: list[bool]) -> Paired:
                   gained=sum(x and not y for x, y in zip(a, b)))
 
 
+def llamacpp_answered(cache_types: dict) -> dict[str, int]:
+    """Prompts a llama.cpp run has answered so far, per cache type: its rows' trials and a cut-off cell's outcomes."""
+    return {ct: sum(r["trials"] for r in v["rows"]) + len((v.get("partial") or {}).get("outcomes", []))
+            for ct, v in cache_types.items()}
+
+
+def llamacpp_log_run(runs: list, before: dict, cache_types: dict, seconds_before: dict, **where) -> list:
+    """``runs`` (the sessions a resumable llama.cpp file already lists) with this session's entry: ``where`` (machine,
+    threads, dates) and, per cache type, the prompts it answered and the seconds it spent since ``before`` and
+    ``seconds_before``. A run resumed on another machine is then not labelled with one machine for every row;
+    a session that answered nothing adds no entry."""
+    now = llamacpp_answered(cache_types)
+    prompts = {ct: n - before.get(ct, 0) for ct, n in now.items() if n > before.get(ct, 0)}
+    if not prompts:
+        return list(runs)
+    seconds = {ct: round(cache_types[ct]["seconds"] - seconds_before.get(ct, 0.0), 1) for ct in prompts}
+    return list(runs) + [{**where, "prompts": prompts, "seconds": seconds}]
+
+
+def llamacpp_machines_md(doc: dict) -> str:
+    """Where a llama.cpp file's prompts ran: "AMD EPYC, 2026-12-02 to 2026-12-03 (50 f16, 25 q4_0 prompts) and ..."
+    from its ``runs``; a file without them names its one machine and date."""
+    runs = doc.get("runs") or []
+    if not runs:
+        return f"{doc.get('machine', '?')}, {doc.get('date', '?')}"
+
+    merged = []  # consecutive sessions on the same kind of machine read as one stretch
+    for r in runs:
+        if merged and merged[-1]["machine"] == r["machine"]:
+            m = merged[-1]
+            m["dates"] = [min(m["dates"][0], r["dates"][0]), max(m["dates"][1], r["dates"][1])]
+            m["prompts"] = {ct: m["prompts"].get(ct, 0) + r["prompts"].get(ct, 0) for ct in {**m["prompts"], **r["prompts"]}}
+        else:
+            merged.append({"machine": r["machine"], "dates": list(r["dates"]), "prompts": dict(r["prompts"])})
+
+    def one(r):
+        d0, d1 = r["dates"]
+        when = d0 if d0 == d1 else f"{d0} to {d1}"
+        word = "prompt" if sum(r["prompts"].values()) == 1 else "prompts"
+        return f"{r['machine']}, {when} ({', '.join(f'{n} {ct}' for ct, n in r['prompts'].items())} {word})"
+    parts = [one(r) for r in merged]
+    return parts[0] if len(parts) == 1 else "; ".join(parts[:-1]) + "; and " + parts[-1]
+
+
 def llamacpp_pending(llama: dict) -> dict:
     """The lengths a llama.cpp run has not finished: ``{cache type: {length: prompts answered so far}}`` for every
     cache type and length of ``llama["lengths"]`` whose rows do not cover all of ``llama["depths"]`` (a resumable run

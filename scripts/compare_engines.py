@@ -144,6 +144,7 @@ def llama(args) -> dict:
 
     from kvlab import engines
     from kvlab.models import gemma3_folder, gemma3_gguf, smollm2_folder, smollm2_gguf
+    from kvlab.results import llamacpp_answered, llamacpp_log_run
 
     gemma = args.model == "gemma3-270m"
     tok = AutoTokenizer.from_pretrained(gemma3_folder() if gemma else smollm2_folder())
@@ -168,11 +169,19 @@ def llama(args) -> dict:
     elif old:
         print(f"{args.out} was made with another model, depths or trials: it is replaced")
 
+    # each session that adds prompts logs its machine, dates and counts: a file resumed elsewhere stays truthful
+    runs, started = list((old or {}).get("runs", [])) if doc["cache_types"] else [], dt.date.today().isoformat()
+    before = llamacpp_answered(doc["cache_types"])
+    sec_before = {ct: float(v.get("seconds", 0.0)) for ct, v in doc["cache_types"].items()}
+
     def save(res):
+        today = dt.date.today().isoformat()
         doc.update(cache_types=res, versions={"llama-cpp-python": md.version("llama-cpp-python"),
                                               "torch": torch.__version__},
                    build=os.environ.get("CMAKE_ARGS", ""), machine=cpu_model(), threads=os.cpu_count(),
-                   seconds=round(sum(v["seconds"] for v in res.values())), date=dt.date.today().isoformat())
+                   seconds=round(sum(v["seconds"] for v in res.values())), date=today,
+                   runs=llamacpp_log_run(runs, before, res, sec_before, machine=cpu_model(), threads=os.cpu_count(),
+                                         dates=[started, today]))
         if args.out is not None:
             write_json(args.out, doc)
 

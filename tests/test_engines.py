@@ -88,7 +88,7 @@ def test_shipped_llamacpp_comparison_has_its_schema():
 def test_shipped_llamacpp_gemma_run_pairs_with_the_long_sweep_prompt_by_prompt():
     """llama.cpp on Gemma's GGUF ran the long sweep's own prompts: every row keeps each prompt's outcome and every
     cache type pairs with kvlab on all 25 prompts of each length it ran."""
-    from kvlab.results import LONG_SWEEPS, LongSweep, llamacpp_paired, llamacpp_pending
+    from kvlab.results import LONG_SWEEPS, LongSweep, llamacpp_answered, llamacpp_paired, llamacpp_pending
 
     path = RESULTS_DIR / "engines_llamacpp_gemma3.json"
     if not path.exists():
@@ -98,6 +98,12 @@ def test_shipped_llamacpp_gemma_run_pairs_with_the_long_sweep_prompt_by_prompt()
     pairs = llamacpp_paired(doc, LongSweep.load(LONG_SWEEPS["gemma3-270m"]))
     assert set(pairs) == set(engines.LLAMA_CACHE_TYPES)
     pending = llamacpp_pending(doc)  # a length still running (the run resumes) is not paired
+    logged = {}  # every prompt in the file is logged with the machine and dates of the session that ran it
+    for run in doc["runs"]:
+        assert {"machine", "dates", "prompts", "seconds"} <= set(run) and run["dates"] == sorted(run["dates"])
+        for ct, n in run["prompts"].items():
+            logged[ct] = logged.get(ct, 0) + n
+    assert logged == llamacpp_answered(doc["cache_types"])
     for ct, by_n in pairs.items():
         assert set(by_n) == set(doc["lengths"]) - set(pending.get(ct, {})) - set(pending.get("f16", {})) != set()
         for x in by_n.values():

@@ -512,3 +512,26 @@ def test_one_formats_two_prefill_modes_pool_over_the_cached_lengths_only(tmp_pat
     assert (pooled.prompts, pooled.lost, pooled.gained) == (8, 6, 0) == (sum(p.prompts for p in each),
                                                                          sum(p.lost for p in each), 0)
     assert pooled.verdict == "worse" and all(p.verdict == "not distinguishable" for p in each)
+
+
+def test_a_resumed_llamacpp_run_logs_each_sessions_machine_and_prompts():
+    """A llama.cpp file resumed on another machine lists where each session's prompts ran, not one machine for all."""
+    from kvlab.results import llamacpp_answered, llamacpp_log_run, llamacpp_machines_md
+
+    row = {"length": 64, "depth": 0.0, "trials": 5, "correct": 5, "outcomes": [True] * 5}
+    start = {"f16": {"rows": [row], "seconds": 10.0}, "q4_0": {"rows": [], "seconds": 4.0,
+                                                               "partial": {"outcomes": [True, False]}}}
+    assert llamacpp_answered(start) == {"f16": 5, "q4_0": 2}
+    first = [{"machine": "A", "dates": ["2026-12-02", "2026-12-03"], "prompts": {"f16": 5, "q4_0": 2}}]
+    later = {"f16": start["f16"], "q4_0": {"rows": [{**row, "correct": 4}], "seconds": 30.5}}
+    runs = llamacpp_log_run(first, llamacpp_answered(start), later, {"f16": 10.0, "q4_0": 4.0}, machine="B",
+                            dates=["2026-12-07", "2026-12-07"])
+    assert runs[1] == {"machine": "B", "dates": ["2026-12-07", "2026-12-07"], "prompts": {"q4_0": 3},
+                       "seconds": {"q4_0": 26.5}}
+    assert llamacpp_log_run(first, llamacpp_answered(start), start, {}, machine="B", dates=["x", "x"]) == first
+    md = llamacpp_machines_md({"runs": runs})
+    assert md == "A, 2026-12-02 to 2026-12-03 (5 f16, 2 q4_0 prompts); and B, 2026-12-07 (3 q4_0 prompts)"
+    assert llamacpp_machines_md({"machine": "C", "date": "2026-12-01"}) == "C, 2026-12-01"
+    assert llamacpp_machines_md({"runs": [{**first[0], "prompts": {"q4_0": 1}}]}).endswith("(1 q4_0 prompt)")
+    again = runs + [{"machine": "B", "dates": ["2026-12-08", "2026-12-09"], "prompts": {"q4_0": 4, "q8_0": 1}}]
+    assert llamacpp_machines_md({"runs": again}).endswith("; and B, 2026-12-07 to 2026-12-09 (7 q4_0, 1 q8_0 prompts)")
