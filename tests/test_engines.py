@@ -88,7 +88,13 @@ def test_shipped_llamacpp_comparison_has_its_schema():
 def test_shipped_llamacpp_gemma_run_pairs_with_the_long_sweep_prompt_by_prompt():
     """llama.cpp on Gemma's GGUF ran the long sweep's own prompts: every row keeps each prompt's outcome and every
     cache type pairs with kvlab on all 25 prompts of each length it ran."""
-    from kvlab.results import LONG_SWEEPS, LongSweep, llamacpp_answered, llamacpp_paired, llamacpp_pending
+    from kvlab.results import (
+        LONG_SWEEPS,
+        LongSweep,
+        llamacpp_answered,
+        llamacpp_paired,
+        llamacpp_pending,
+    )
 
     path = RESULTS_DIR / "engines_llamacpp_gemma3.json"
     if not path.exists():
