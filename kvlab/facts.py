@@ -1318,9 +1318,10 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
         "which costs int4_token over twice int4's perplexity": _claim(
             S is None or (_same_groups_but_zero(S["head_dim"]) and S["ppl"]["int4_token"] > 2 * S["ppl"]["int4"] > 0),
             S and (S["head_dim"], S["ppl"]["int4"], S["ppl"]["int4_token"])),
-        "on Gemma a zero point per token and head costs more perplexity than none (lmdeploy-int4 against int4_token), "
-        "and int4's groups of 64 with a zero point cost far less":
-            _claim(values.get("zero_point_ppl", {}).get("G", 0) > G["ppl"]["int4_token"] > G["ppl"]["int4"]
+        "on Gemma per-token INT4 costs over 100% perplexity with a zero point per token and head (lmdeploy-int4) and "
+        "without one (int4_token), and int4's groups of 64 with a zero point under a quarter of either":
+            _claim(min(values.get("zero_point_ppl", {}).get("G", 0), G["ppl"]["int4_token"]) > 1.0
+                   and 4 * G["ppl"]["int4"] < min(values["zero_point_ppl"].get("G", 0), G["ppl"]["int4_token"])
                    and not get_format("lmdeploy-int4").key.symmetric and get_format("lmdeploy-int4").key.granularity == "token",
                    (values.get("zero_point_ppl"), G["ppl"]["int4_token"], G["ppl"]["int4"])),
         "on SmolLM2's paired run at 8k per-token INT4 found fewer needles with the prompt reading the cache":

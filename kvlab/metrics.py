@@ -57,6 +57,9 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor, scaling: float | None = N
     """Causal attention logits ``q k^T * scaling`` (masked entries are -inf), KV heads expanded for GQA."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if q.shape[-2] > k.shape[-2]:  # the first queries would see no key at all: a softmax of nothing is NaN
+        raise ValueError(f"{q.shape[-2]} queries but only {k.shape[-2]} keys: each query position needs its keys "
+                         "(the last queries attend to the last keys); a sliding-window cache keeps too few")
     scaling = scaling if scaling is not None else q.shape[-1] ** -0.5
     s = (q.double() @ _expand_kv(k, q.shape[1]).double().transpose(-1, -2)) * scaling
     tq, tk = q.shape[-2], k.shape[-2]

@@ -319,7 +319,9 @@ def _register():
 
 
 def capture(model, input_ids: torch.Tensor) -> Capture:
-    """One forward pass; K, V, Q per layer as the model computed them (see module docstring)."""
+    """One forward pass; K, V, Q per layer as the model computed them (see module docstring). A sliding-window
+    layer's K and V cover every token too (its attention still used its window); :mod:`kvlab.metrics`' attention
+    errors treat each layer as plain causal attention over them."""
     import torch
     from transformers import DynamicCache
 
@@ -337,7 +339,7 @@ def capture(model, input_ids: torch.Tensor) -> Capture:
     _records = []
     try:
         model.set_attn_implementation(_CAPTURE)
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()  # full layers throughout: a sliding-window layer's K and V for every token, too
         with torch.no_grad():
             model(input_ids.to(model.device), past_key_values=cache, use_cache=True)
         queries, scaling = [q for q, _ in _records], [s for _, s in _records]

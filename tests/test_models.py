@@ -134,3 +134,19 @@ def test_gemma3_loads_offline_and_finds_a_passkey_in_full_precision():
     assert ex.input_ids[0] == tok.bos_token_id and len(ex.input_ids) == 1024
     dyn, first = evals.prefill(model, torch.tensor([ex.input_ids]), chunk=256)
     assert evals.decode(model, dyn, first, len(ex.answer_ids))[0].tolist() == ex.answer_ids
+
+
+def test_capture_keeps_every_token_of_a_sliding_window_layer(tiny_gemma3):
+    """Gemma 3's windowed layers (8 tokens here) are captured whole, so errors over them are finite; a cache that
+    kept fewer keys than queries is refused by name rather than turned into NaN."""
+    import math
+
+    from kvlab.metrics import attention_logits, format_errors
+
+    ids = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(0))
+    cap = models.capture(tiny_gemma3, ids)
+    assert [k.shape[-2] for k in cap.keys] == [20] * 6 and [q.shape[-2] for q in cap.queries] == [20] * 6
+    rows = format_errors(cap.keys, cap.values, cap.queries, formats=("int4_token",), scaling=cap.scaling)
+    assert all(math.isfinite(r[m]) for r in rows for m in ("k_snr_db", "logit_rmse", "output_rel_error"))
+    with pytest.raises(ValueError, match="20 queries but only 8 keys"):
+        attention_logits(cap.queries[0], cap.keys[0][..., -8:, :])
