@@ -989,6 +989,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["zero_point_ppl"] = {CH4_KEYS.get(k, k): sw.paired_perplexity("lmdeploy-int4")["increase"]
                                 for k, sw in sweeps.items() if "lmdeploy-int4" in sw.all_formats}
     values["q"] = _refuse_to_skip([values[k] for k in keys])
+    from .budget import load_shape  # Gemma's layers: how many see the whole context, how far the others see
+    layers = load_shape("gemma-3-270m").layers
+    values["gemma_layers"] = {"all": len(layers), "global": sum(x.window is None for x in layers),
+                              "sliding": sum(x.window is not None for x in layers),
+                              "window": max(x.window or 0 for x in layers)}
     # never worse on the needle: in the filler haystack, in prose where the format ran there, and pooled
     held_low = [(values[k]["name"], f) for k in keys for f in values[k]["held"] if _low_bit(f)]
     alarms = [(n, f) for n, f in held_low if not values[CH4_KEYS[next(m for m in sweeps if CH4_NAMES.get(m) == n)]]["by"][f]["ppl_ok"]]
@@ -1659,6 +1664,13 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     low_held = [f for f in smol["held"] if _low_bit(f) and f in gemma["held"]]
     values["low_held_md"] = names_md(low_held, notes=_bits_notes(low_held))
     values["int4_rows_md"] = names_md(int4_rows)
+    # chapter 4's rule is each test at p < 0.05; corrected for the number of tests (Holm), these rows would hold
+    holm_both = [f for f in int4_rows if all(f in mf["held"] or f in mf["holm_rescued"] for mf in mfs)]
+    over = [f for f in holm_both if max(ppl[f].values()) > CH5_PPL_LIMIT]
+    values["int4_holm_md"] = ("Holm's correction for the number of tests (chapter 6.4) would not change that" if not holm_both
+                              else f"Corrected for the number of tests (Holm's method, chapter 6.4), {names_md(holm_both)} "
+                              "would hold on both" + (f", and perplexity (below) would still turn {names_md(over)} away"
+                                                      if over else ""))
     values["low_held_offered"] = [f for f in low_held if _plain_low_bit(f) and any(engine_options(f).values())]
     claims = {
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
