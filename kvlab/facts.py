@@ -989,7 +989,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["zero_point_ppl"] = {CH4_KEYS.get(k, k): sw.paired_perplexity("lmdeploy-int4")["increase"]
                                 for k, sw in sweeps.items() if "lmdeploy-int4" in sw.all_formats}
     values["q"] = _refuse_to_skip([values[k] for k in keys])
-    from .budget import load_shape  # Gemma's layers: how many see the whole context, how far the others see
+    from .budget import (
+        load_shape,  # Gemma's layers: how many see the whole context, how far the others see
+    )
     layers = load_shape("gemma-3-270m").layers
     values["gemma_layers"] = {"all": len(layers), "global": sum(x.window is None for x in layers),
                               "sliding": sum(x.window is not None for x in layers),
