@@ -1331,6 +1331,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                    and 4 * G["ppl"]["int4"] < min(values["zero_point_ppl"].get("G", 0), G["ppl"]["int4_token"])
                    and not get_format("lmdeploy-int4").key.symmetric and get_format("lmdeploy-int4").key.granularity == "token",
                    (values.get("zero_point_ppl"), G["ppl"]["int4_token"], G["ppl"]["int4"])),
+        "at 32k on Gemma FP8 and q4_0 found more needles with the prompt reading the cache than with it in full precision":
+            _claim(all(G["cached_vs_full"][f"{f} 32768"]["cached"][0] > G["cached_vs_full"][f"{f} 32768"]["full"][0]
+                       for f in ("fp8_e4m3", "q4_0")), {f: G["cached_vs_full"].get(f"{f} 32768") for f in ("fp8_e4m3", "q4_0")}),
         "on SmolLM2's paired run at 8k per-token INT4 found fewer needles with the prompt reading the cache":
             _claim(S is None or (S["cached_vs_full"]["int4_token 8192"]["cached"][0]
                                  < S["cached_vs_full"]["int4_token 8192"]["full"][0]),
@@ -1631,7 +1634,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     values = {
         "requests": reqs, "needle": needle, "formats": fmts, "s": smol, "g": gemma,
         "ppl_limit": CH5_PPL_LIMIT, "trace": trace, "model": CH5_MODEL,
-        "gpu": CH5_GPU, "gpu_gib": gpu.memory_bytes / B.GIB,
+        "gpu": CH5_GPU, "gpu_gib": gpu.memory_bytes / B.GIB, "gpu_gb": gpu.nominal_gb,
         "free_gib": B.fit(CH5_MODEL, CH5_GPU, "bf16").free_for_cache_per_gpu / gib,
         "mfu": S.CostModel.mfu, "mbu": S.CostModel.mbu, "int4_pool_gib": 16 / 4.5,
         "blocks": blocks, "curves": curves, "pools": CH5_POOLS_GIB, "split": split, "table": table,
@@ -1675,6 +1678,8 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
                                                       if over else ""))
     values["low_held_offered"] = [f for f in low_held if _plain_low_bit(f) and any(engine_options(f).values())]
     claims = {
+        "the L4's memory is its datasheet figure in 10^9 bytes (no CUDA figure in the presets)":
+            _claim(gpu.memory_bytes == int(gpu.nominal_gb * 1e9), (gpu.memory_bytes, gpu.nominal_gb)),
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
             _claim(1.99 < values["fp8_blocks_x"] < 2.01 and 3.5 < values["int4_blocks_x"] < 3.6, blocks),
         "smaller KV hits more when memory is tight": _claim(curves["int4"][0] > curves["fp8_e4m3"][0] > curves["bf16"][0]),
