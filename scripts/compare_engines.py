@@ -105,9 +105,13 @@ def main(argv=None) -> dict:
     args.resumed = None  # an earlier llama.cpp run in --out, read (and checked) before any work; llama() resumes it
     if args.llama_cpp and args.out is not None and args.out.is_file() and not args.quick:
         try:
-            args.resumed = read_json(args.out, "--out", {"cache_types": dict, "lengths": list})
+            args.resumed = read_json(args.out, "--out", {"cache_types": dict, "lengths": list, "runs": list})
         except ValueError as e:
             p.error(str(e))
+        if any(not isinstance(r, dict) or not isinstance(r.get("machine"), str) or not isinstance(r.get("prompts"), dict)
+               or not (isinstance(r.get("dates"), list) and len(r["dates"]) == 2) for r in args.resumed.get("runs", [])):
+            p.error(f"--out {args.out}: its 'runs' log is not one this script wrote (each needs machine, dates and "
+                    "prompts); move the file away")
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
 
     from kvlab import engines
