@@ -635,7 +635,7 @@ def test_a_script_refuses_an_out_file_it_did_not_write_before_torch_loads(argv, 
 def test_compare_engines_refuses_a_run_log_it_did_not_write_before_torch_loads(runs, tmp_path):
     """A resumed llama.cpp file's log of sessions (machine, dates, prompts) is checked with the rest of the file."""
     out = tmp_path / "old.json"
-    out.write_text('{"cache_types": {}, "lengths": [64], "runs": %s}' % runs)
+    out.write_text('{"cache_types": {}, "lengths": [64], "runs": ' + runs + "}")
     r = _run_script_in_a_fresh_python("compare_engines.py", ["--llama-cpp", "--lengths", "64", "--out", str(out)])
     assert r.stdout == "2 False\n" and "move" in r.stderr and "Traceback" not in r.stderr, r
 
