@@ -187,17 +187,32 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     bad = [t for t in cache_types if t not in types]
     if bad:
         raise ValueError(f"cache types must be among {list(types)}, got {bad}")
-    if not isinstance(trials, int) or trials < 1:
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise ValueError(f"trials must be a positive integer, got {trials!r}")
-    done = done or {}
-    if not isinstance(done, dict) or any(not isinstance(v, dict) or not isinstance(v.get("rows"), list)
-                                         for v in done.values()):
+    if len(set(cache_types)) < len(cache_types):
+        raise ValueError(f"cache_types lists a type twice: {list(cache_types)}")
+    lengths, depths = list(lengths), list(depths)
+    if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths) \
+            or len(set(lengths)) < len(lengths):
+        raise ValueError(f"lengths must be distinct positive token counts, got {lengths}")
+    if not depths or any(not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d <= 1 for d in depths) \
+            or len({float(d) for d in depths}) < len(depths):
+        raise ValueError(f"depths must be distinct numbers from 0 to 1, got {depths}")
+    from .results import llamacpp_cells_problem
+
+    if done is None:
+        done = {}
+    if not isinstance(done, dict):
         raise ValueError("done must be an earlier result: {cache type: {'rows': [...], 'seconds': s}}")
-    for v in done.values():
-        part = v.get("partial")
-        if part is not None and not (isinstance(part, dict) and isinstance(part.get("outcomes"), list)
-                                     and {"length", "depth", "trials"} <= set(part)):
-            raise ValueError("done: a 'partial' cell must hold its length, depth, trials and outcomes so far")
+    if why := llamacpp_cells_problem(done):
+        raise ValueError(f"done is not an earlier result of this function: {why}")
+    for ct in cache_types:  # a cut-off cell this call would not resume would be overwritten by the next one
+        part = done.get(ct, {}).get("partial")
+        if part and ((part["length"], float(part["depth"])) not in {(n, float(d)) for n in lengths for d in depths}
+                     or part["trials"] != trials or part.get("swa_full") != swa_full):
+            raise ValueError(f"done holds a cut-off {ct} cell ({part['length']} tokens, depth {part['depth']}, "
+                             f"{part['trials']} trials, swa_full={part.get('swa_full')}) that this call would not "
+                             "resume: run with its length, depth, trials and sliding-window setting")
     out = {ct: {"rows": list(v["rows"]), "seconds": float(v.get("seconds", 0.0)),
                 **({"partial": v["partial"]} if v.get("partial") else {})} for ct, v in done.items()}
     for ct in cache_types:

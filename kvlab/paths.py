@@ -135,10 +135,17 @@ def read_json(path: str | Path, flag: str, shape: dict[str, type]) -> dict:
     reads, a JSON object, and each key of ``shape`` that it holds of that type (a file some other program
     wrote is refused, not half-resumed)."""
     text = read_text(path, flag)
+
+    def no_constant(name):  # json.loads takes NaN and Infinity, which no result of ours holds (write_json refuses them)
+        raise ValueError(f"holds {name}, which strict JSON has not")
     try:
-        doc = json.loads(text)
-    except ValueError as e:
+        doc = json.loads(text, parse_constant=no_constant)
+    except json.JSONDecodeError as e:
         raise ValueError(f"{flag} {shown_path(path)}: not JSON ({e.msg}, line {e.lineno}); move it away") from None
+    except (ValueError, RecursionError) as e:  # a constant above, a 5,000-digit integer, nesting too deep to read
+        why = ("nested too deeply" if isinstance(e, RecursionError) else str(e) if str(e).startswith("holds ")
+               else "a number too long to read")
+        raise ValueError(f"{flag} {shown_path(path)}: not a result this script wrote ({why}); move it away") from None
     wrong = [k for k, t in shape.items() if k in doc and not isinstance(doc[k], t)] if isinstance(doc, dict) else None
     if wrong is None or wrong:
         raise ValueError(f"{flag} {shown_path(path)}: not a result this script wrote"

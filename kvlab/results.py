@@ -867,6 +867,75 @@ def _paired(fmt: str, reference: str, a: list[bool], b: list[bool]) -> Paired:
                   gained=sum(x and not y for x, y in zip(a, b)))
 
 
+LLAMA_TYPES = ("f16", "q8_0", "q4_0")  # kvlab.formats.LLAMA_CACHE_TYPES, without importing torch
+
+
+def _int_at_least(x, low: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _finite(x, low: float = 0.0, high: float = math.inf) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and low <= x <= high
+
+
+def llamacpp_cells_problem(cache_types) -> str | None:
+    """What is wrong with a llama.cpp run's ``cache_types`` (``{cache type: {"rows", "seconds", "partial"?}}``), or
+    None: a resumed run trusts these cells, so each row must be one this code wrote (a length, a depth in [0, 1], a
+    count of trials, one boolean outcome a trial and ``correct`` their sum), each cell once, and a cut-off cell short
+    of its trials."""
+    if not isinstance(cache_types, dict):
+        return "cache_types must be an object {cache type: cell}"
+    for ct, v in cache_types.items():
+        if ct not in LLAMA_TYPES:
+            return f"cache type {str(ct)[:40]!r} is not one of {', '.join(LLAMA_TYPES)}"
+        if not isinstance(v, dict) or not isinstance(v.get("rows"), list) or not _finite(v.get("seconds", 0.0)):
+            return f"{ct}: a cell must hold its rows (a list) and seconds (a finite number >= 0)"
+        seen = set()
+        for r in v["rows"]:
+            if not (isinstance(r, dict) and _int_at_least(r.get("length"), 1) and _finite(r.get("depth"), 0, 1)
+                    and _int_at_least(r.get("trials"), 1) and _int_at_least(r.get("correct")) and r["correct"] <= r["trials"]
+                    and ("outcomes" not in r  # rows written before outcomes were kept hold the count alone
+                         or (isinstance(r["outcomes"], list) and len(r["outcomes"]) == r["trials"]
+                             and all(isinstance(o, bool) for o in r["outcomes"]) and r["correct"] == sum(r["outcomes"])))):
+                return (f"{ct}: each row needs length, depth (0 to 1), trials, correct (0 to trials) and, if it keeps "
+                        f"them, one true/false outcome a trial summing to correct; got {str(r)[:80]}")
+            if (r["length"], float(r["depth"])) in seen:
+                return f"{ct}: the cell at {r['length']} tokens, depth {r['depth']} is there twice"
+            seen.add((r["length"], float(r["depth"])))
+        part = v.get("partial")
+        if part is not None and not (
+                isinstance(part, dict) and _int_at_least(part.get("length"), 1) and _finite(part.get("depth"), 0, 1)
+                and _int_at_least(part.get("trials"), 1) and isinstance(part.get("outcomes"), list)
+                and len(part["outcomes"]) < part["trials"] and all(isinstance(o, bool) for o in part["outcomes"])):
+            return (f"{ct}: a 'partial' cell must hold its length, depth, trials and fewer true/false outcomes than "
+                    f"trials; got {str(part)[:80]}")
+    return None
+
+
+def llamacpp_doc_problem(doc) -> str | None:
+    """What is wrong with a llama.cpp result file as :func:`kvlab.engines.llamacpp_passkey`'s script writes it, or
+    None: its cells (:func:`llamacpp_cells_problem`), lengths, depths, trials and its log of sessions."""
+    if not isinstance(doc, dict) or not {"cache_types", "lengths", "depths", "trials"} <= set(doc):
+        return "not a llama.cpp result (it needs cache_types, lengths, depths and trials)"
+    if why := llamacpp_cells_problem(doc["cache_types"]):
+        return why
+    if not (isinstance(doc["lengths"], list) and all(_int_at_least(n, 1) for n in doc["lengths"])):
+        return "lengths must be a list of token counts"
+    if not (isinstance(doc["depths"], list) and doc["depths"] and all(_finite(d, 0, 1) for d in doc["depths"])
+            and len(set(doc["depths"])) == len(doc["depths"])):
+        return "depths must be a list of distinct numbers from 0 to 1"
+    if not _int_at_least(doc["trials"], 1):
+        return "trials must be a whole number >= 1"
+    for r in doc.get("runs", []) if isinstance(doc.get("runs", []), list) else [None]:
+        if not (isinstance(r, dict) and isinstance(r.get("machine"), str) and isinstance(r.get("dates"), list)
+                and len(r["dates"]) == 2 and all(isinstance(d, str) for d in r["dates"])
+                and isinstance(r.get("prompts"), dict)
+                and all(k in LLAMA_TYPES and _int_at_least(n) for k, n in r["prompts"].items())
+                and all(k in LLAMA_TYPES and _finite(x) for k, x in (r.get("seconds") or {}).items())):
+            return f"its 'runs' log is not one this script wrote (each needs machine, two dates, prompts); got {str(r)[:80]}"
+    return None
+
+
 def llamacpp_answered(cache_types: dict) -> dict[str, int]:
     """Prompts a llama.cpp run has answered so far, per cache type: its rows' trials and a cut-off cell's outcomes."""
     return {ct: sum(r["trials"] for r in v["rows"]) + len((v.get("partial") or {}).get("outcomes", []))

@@ -48,6 +48,7 @@ from kvlab.cli import MAX_LENGTH, Parser, float_flag, int_flag, path_flag
 from kvlab.env import cpu_model
 from kvlab.formats import LLAMA_CACHE_TYPES
 from kvlab.paths import RESULTS_DIR, out_problem, read_json, write_json
+from kvlab.results import llamacpp_doc_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,8 +86,16 @@ def main(argv=None) -> dict:
         p.error("--cache-types is for --llama-cpp")
     if args.quick and not args.llama_cpp:
         p.error("--quick is for --llama-cpp (a smoke test of its first case)")
-    if args.quick and (args.lengths or args.depths != p.get_default("depths") or args.trials != p.get_default("trials")):
-        p.error("--quick runs one fixed case (512 tokens, depth 0.5, one trial): drop --lengths, --depths and --trials")
+    if args.quick and (args.lengths or args.depths != p.get_default("depths") or args.trials != p.get_default("trials")
+                       or args.cache_types):
+        p.error("--quick runs one fixed case (f16, 512 tokens, depth 0.5, one trial): drop --lengths, --depths, "
+                "--trials and --cache-types")
+    if args.llama_cpp and args.lengths:  # llama.cpp would take a longer prompt and answer past the model's window
+        from kvlab.budget import load_shape
+
+        window = load_shape("gemma-3-270m" if gemma else "smollm2-135m").max_position_embeddings
+        if max(args.lengths) > window:
+            p.error(f"--lengths {max(args.lengths)}: past {args.model}'s {window:,}-token window")
     if args.llama_cpp and args.new_tokens != p.get_default("new_tokens"):
         p.error("--new-tokens is not for --llama-cpp: its passkey run does not read it")
     if (args.quanto or args.hqq) and args.depths != p.get_default("depths"):
@@ -103,15 +112,33 @@ def main(argv=None) -> dict:
         if len(set(vals)) < len(vals):
             p.error(f"--{flag.replace('_', '-')} lists {next(v for v in vals if vals.count(v) > 1)} twice")
     args.resumed = None  # an earlier llama.cpp run in --out, read (and checked) before any work; llama() resumes it
-    if args.llama_cpp and args.out is not None and args.out.is_file() and not args.quick:
+    if args.llama_cpp and args.out is not None and args.out.is_file():
+        if args.quick:
+            p.error(f"--out {args.out} already holds a file: --quick would replace it with a smoke test; give a new path")
         try:
-            args.resumed = read_json(args.out, "--out", {"cache_types": dict, "lengths": list, "runs": list})
+            old = read_json(args.out, "--out", {"cache_types": dict, "lengths": list, "runs": list})
         except ValueError as e:
             p.error(str(e))
-        if any(not isinstance(r, dict) or not isinstance(r.get("machine"), str) or not isinstance(r.get("prompts"), dict)
-               or not (isinstance(r.get("dates"), list) and len(r["dates"]) == 2) for r in args.resumed.get("runs", [])):
-            p.error(f"--out {args.out}: its 'runs' log is not one this script wrote (each needs machine, dates and "
-                    "prompts); move the file away")
+        if why := llamacpp_doc_problem(old):
+            p.error(f"--out {args.out}: {why}; move it away")
+        # a resume keeps every row, so it must be the same experiment; anything else is refused, never replaced
+        was = {"model": old.get("model", "smollm2-135m"),  # files from before --model ran SmolLM2
+               "depths": sorted(float(d) for d in old["depths"]), "trials": old["trials"]}
+        now = {"model": args.model, "depths": sorted(float(d) for d in args.depths), "trials": args.trials}
+        if diff := [k for k in was if was[k] != now[k]]:
+            p.error(f"--out {args.out} holds a run with other settings ("
+                    + ", ".join(f"{k} {was[k]} there, {now[k]} here" for k in diff)
+                    + "): pass the same to resume it, or give a new --out")
+        swa = None if args.swa_cache is None else args.swa_cache == "full"
+        for ct, v in old["cache_types"].items():  # a cut-off cell this run would not resume would be overwritten
+            part = v.get("partial")
+            if part and (args.cache_types is None or ct in args.cache_types) and (
+                    part["length"] not in args.lengths or part.get("swa_full") != swa):
+                p.error(f"--out {args.out} holds a cut-off {ct} cell at {part['length']} tokens "
+                        f"(swa_full={part.get('swa_full')}): resume it with --lengths {part['length']}"
+                        + ("" if part.get("swa_full") is None else
+                           f" --swa-cache {'full' if part['swa_full'] else 'window'}") + ", or give a new --out")
+        args.resumed = old
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
 
     from kvlab import engines
@@ -165,13 +192,11 @@ def llama(args) -> dict:
            "model": args.model, "lengths": list(kw["lengths"]), "depths": kw["depths"], "trials": kw["trials"],
            "cache_types": {}}
     # an earlier run with the same model, depths and trials is resumed: its rows are kept, its lengths added
-    old = args.resumed
-    if old and all(old.get(k) == doc[k] for k in ("model", "depths", "trials")):
-        doc["lengths"] = sorted(set(old.get("lengths", [])) | set(doc["lengths"]))
-        doc["cache_types"] = old.get("cache_types", {})
+    old = args.resumed  # checked in main: the same model, depths and trials
+    if old is not None:
+        doc["lengths"] = sorted(set(old["lengths"]) | set(doc["lengths"]))
+        doc["cache_types"] = old["cache_types"]
         print(f"resuming {args.out}: {sum(len(v['rows']) for v in old['cache_types'].values())} rows kept")
-    elif old:
-        print(f"{args.out} was made with another model, depths or trials: it is replaced")
 
     # each session that adds prompts logs its machine, dates and counts: a file resumed elsewhere stays truthful
     runs, started = list((old or {}).get("runs", [])) if doc["cache_types"] else [], dt.date.today().isoformat()

@@ -216,7 +216,9 @@ def test_read_json_takes_only_an_object_of_the_shape_asked(tmp_path):
     f.write_text('{"steps": {}, "n": 1}')
     assert read_json(f, "--out", {"steps": dict, "lengths": list}) == {"steps": {}, "n": 1}  # a key absent is fine
     for text, why in (("not json", "not JSON (Expecting value, line 1)"), ("[1]", "not a result this script wrote"),
-                      ('{"steps": []}', "(steps of the wrong type)"), ("", "the file is empty")):
+                      ('{"steps": []}', "(steps of the wrong type)"), ("", "the file is empty"),
+                      ('{"s": NaN}', "(holds NaN, which strict JSON has not)"), ('{"s": -Infinity}', "holds -Infinity"),
+                      ("[" * 100_000, "(nested too deeply)"), ('{"n": ' + "9" * 5000 + "}", "a number too long to read")):
         f.write_text(text)
         with pytest.raises(ValueError, match=re.escape(why)) as e:
             read_json(f, "--out", {"steps": dict})
@@ -631,13 +633,42 @@ def test_a_script_refuses_an_out_file_it_did_not_write_before_torch_loads(argv, 
     assert out.read_text() == content
 
 
-@pytest.mark.parametrize("runs", ['{"machine": "x"}', '[{"machine": "x", "dates": ["d"], "prompts": {}}]', '[1]'])
-def test_compare_engines_refuses_a_run_log_it_did_not_write_before_torch_loads(runs, tmp_path):
-    """A resumed llama.cpp file's log of sessions (machine, dates, prompts) is checked with the rest of the file."""
+_LLAMA_DOC = {"model": "gemma3-270m", "lengths": [8192], "depths": [0.0, 0.25, 0.5, 0.75, 1.0], "trials": 5,
+              "cache_types": {"f16": {"rows": [{"length": 8192, "depth": 0.0, "trials": 5, "correct": 4,
+                                                "outcomes": [True, True, False, True, True]}], "seconds": 10.0,
+                                      "partial": {"length": 8192, "depth": 0.25, "trials": 5, "outcomes": [True]}}},
+              "runs": [{"machine": "x", "dates": ["2026-12-01", "2026-12-01"], "prompts": {"f16": 6}}]}
+
+
+@pytest.mark.parametrize("change,argv,needle", [
+    ({"runs": {"machine": "x"}}, [], "runs of the wrong type"),
+    ({"runs": [{"machine": "x", "dates": ["d"], "prompts": {}}]}, [], "'runs' log is not one this script wrote"),
+    ({"runs": [{"machine": "x", "dates": ["d", "e"], "prompts": {"f16": -3}}]}, [], "'runs' log is not one"),
+    ({"cache_types": {"f16": {"rows": [{"length": 8192, "depth": 0.0, "trials": 5, "correct": 5,
+                                        "outcomes": ["false", True, True, True, True]}], "seconds": 1}}}, [],
+     "each row needs length"),
+    ({"cache_types": {"f16": {"rows": [], "seconds": 1, "partial": {"length": 8192, "depth": "x", "trials": 5,
+                                                                      "outcomes": []}}}}, [], "'partial' cell must hold"),
+    ({"cache_types": {"q2_K": {"rows": [], "seconds": 1}}}, [], "cache type 'q2_K' is not one of"),
+    ({"cache_types": {"f16": {"rows": [], "seconds": -1e6}}}, [], "seconds (a finite number >= 0)"),
+    ({"depths": [1.0, 0.75, 0.5, 0.25, 0.1]}, [], "other settings (depths"),
+    ({"trials": 3}, [], "other settings (trials 3 there, 5 here)"),
+    ({"model": "smollm2-135m"}, [], "other settings (model smollm2-135m there, gemma3-270m here)"),
+    ({}, ["--lengths", "32768"], "cut-off f16 cell at 8192 tokens"),
+    ({}, ["--quick"], "--quick would replace it"),
+    ({}, ["--lengths", "65536"], "past gemma3-270m's 32,768-token window"),
+    ({}, ["--quick", "--cache-types", "q4_0"], "drop --lengths, --depths, --trials and --cache-types"),
+])
+def test_compare_engines_refuses_a_resume_it_cannot_make_before_torch_loads(change, argv, needle, tmp_path):
+    """A llama.cpp file is resumed only as the same experiment: a malformed or foreign file, other settings, a cut-off
+    cell this run would drop, or a smoke test over it are refused in a line, and the file is left as it was."""
     out = tmp_path / "old.json"
-    out.write_text('{"cache_types": {}, "lengths": [64], "runs": ' + runs + "}")
-    r = _run_script_in_a_fresh_python("compare_engines.py", ["--llama-cpp", "--lengths", "64", "--out", str(out)])
-    assert r.stdout == "2 False\n" and "move" in r.stderr and "Traceback" not in r.stderr, r
+    out.write_text(json.dumps({**_LLAMA_DOC, **change}))
+    before = out.read_text()
+    r = _run_script_in_a_fresh_python("compare_engines.py", ["--llama-cpp", "--model", "gemma3-270m", *argv,
+                                                             "--out", str(out)])
+    assert r.stdout == "2 False\n" and needle in r.stderr and "Traceback" not in r.stderr, r
+    assert out.read_text() == before
 
 
 @pytest.mark.parametrize("script", ["sweep_long.py", "compare_engines.py", "eval_model.py", "sweep_evals.py",

@@ -78,6 +78,9 @@ def test_shipped_llamacpp_comparison_has_its_schema():
         pytest.skip("no llama.cpp results shipped yet (make peers writes them)")
     doc = json.loads(path.read_text())
     assert {"versions", "machine", "date", "seconds", "lengths", "depths", "trials", "cache_types", "build"} <= set(doc)
+    from kvlab.results import llamacpp_doc_problem
+
+    assert llamacpp_doc_problem(doc) is None  # a file the script would resume
     assert set(doc["cache_types"]) == set(engines.LLAMA_CACHE_TYPES)
     for v in doc["cache_types"].values():
         cells = {(r["length"], r["depth"]) for r in v["rows"]}
@@ -101,6 +104,9 @@ def test_shipped_llamacpp_gemma_run_pairs_with_the_long_sweep_prompt_by_prompt()
         pytest.skip("llama.cpp on Gemma not shipped yet (make peers writes it)")
     doc = json.loads(path.read_text())
     assert doc["model"] == "gemma3-270m" and set(doc["cache_types"]) == set(engines.LLAMA_CACHE_TYPES)
+    from kvlab.results import llamacpp_doc_problem
+
+    assert llamacpp_doc_problem(doc) is None  # a file the script would resume
     pairs = llamacpp_paired(doc, LongSweep.load(LONG_SWEEPS["gemma3-270m"]))
     assert set(pairs) == set(engines.LLAMA_CACHE_TYPES)
     pending = llamacpp_pending(doc)  # a length still running (the run resumes) is not paired
@@ -197,5 +203,19 @@ def test_llamacpp_run_resumes_and_reports_every_row(monkeypatch, shipped):
     small = engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), swa_full=False, **{**kw, "cache_types": ("f16",)})
     assert seen == ["reset", 64] * 4 and all(r["swa_full"] is False for r in small["f16"]["rows"])
     assert all("swa_full" not in r for r in first["f16"]["rows"])
-    with pytest.raises(ValueError, match="done must be an earlier result"):
+    with pytest.raises(ValueError, match="done is not an earlier result"):
         engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done={"f16": []}, **kw)
+    with pytest.raises(ValueError, match="done must be an earlier result"):
+        engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done=[], **kw)
+    seen.clear()  # a cut-off cell this call would not resume (another length, another window setting) is refused
+    with pytest.raises(ValueError, match="cut-off f16 cell .64 tokens, depth 1.0"):
+        engines.llamacpp_passkey("x.gguf", tok, lengths=(96,), done=cut, **kw)
+    with pytest.raises(ValueError, match="swa_full=None. that this call would not resume"):
+        engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), done=cut, swa_full=False, **kw)
+    assert seen == []
+    for bad in ({"trials": True}, {"depths": (0.0, 0.0)}, {"cache_types": ("f16", "f16")}, {"depths": (float("nan"),)}):
+        with pytest.raises(ValueError):
+            engines.llamacpp_passkey("x.gguf", tok, lengths=(64,), **{**kw, **bad})
+    for bad in ((-64,), (64, 64), ("64",)):
+        with pytest.raises(ValueError, match="lengths must be distinct positive"):
+            engines.llamacpp_passkey("x.gguf", tok, lengths=bad, **kw)
