@@ -926,6 +926,8 @@ def llamacpp_doc_problem(doc) -> str | None:
         return "depths must be a list of distinct numbers from 0 to 1"
     if not _int_at_least(doc["trials"], 1):
         return "trials must be a whole number >= 1"
+    if any(r["trials"] != doc["trials"] for v in doc["cache_types"].values() for r in v["rows"]):
+        return f"a row ran another number of trials than the file's {doc['trials']}"
     for r in doc.get("runs", []) if isinstance(doc.get("runs", []), list) else [None]:
         if not (isinstance(r, dict) and isinstance(r.get("machine"), str) and isinstance(r.get("dates"), list)
                 and len(r["dates"]) == 2 and all(isinstance(d, str) for d in r["dates"])
