@@ -34,6 +34,8 @@ def test_notebooks_committed_without_outputs():
         for cell in nb["cells"]:
             if cell["cell_type"] == "code":
                 assert not cell.get("outputs") and cell.get("execution_count") is None, f"{f} has outputs"
+        ids = [cell.get("id") for cell in nb["cells"]]  # nbformat 4.5 wants one; it will become an error
+        assert None not in ids and len(set(ids)) == len(ids), f"{f}: a cell without an id, or an id twice"
 
 
 def test_kernels_install_under_kvlab(tmp_path):
