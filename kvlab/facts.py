@@ -1345,8 +1345,16 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     both = [m for m in (G, S) if m is not None]
     # the loosest bar that still lets no format through: the smallest perplexity among the formats that passed the
     # short needle and lost a longer one, in either haystack
-    later_ppl = sorted({(m["ppl"][f], f, short_model_name(m["name"]), "filler" if f in m["later"] else "prose")
-                        for m in both for f in m["later"] + m["prose"]["later"] if f in m["ppl"]})
+    # (a format on a model: the short needle is run in both haystacks, so it must have passed in both)
+    def short_ok(m, f):
+        return (m["by"][f]["short_verdict"] != "worse"
+                and m["lengths"][0] not in m["prose"]["by"].get(f, {}).get("worse_at", []))
+
+    def lost_in(m, f):
+        return " and ".join(h for h, st in (("filler", m), ("prose", m["prose"])) if f in st["later"])
+    later_ppl = sorted({(m["ppl"][f], f, short_model_name(m["name"]), lost_in(m, f))
+                        for m in both for f in set(m["later"]) | set(m["prose"]["later"])
+                        if f in m["ppl"] and short_ok(m, f)})
     values["trap_at"], values["trap_first"] = later_ppl[0][:2] if later_ppl else (None, None)
     values["trap_first_md"] = "none"
     for m in both:  # where that format lost a longer needle: the evidence the "would have been trapped" rests on
@@ -1360,9 +1368,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
                 values["trap_first_md"] = (f"`{values['trap_first']}` on {m['name']} (worse in the {stage} haystack at "
                                            f"{cells}{one})")
     # how the trap would appear as the bar loosens: each further format and the bar above which it slips through
-    values["trap_more_md"] = ", ".join(f"`{f}` on {m} ({h} haystack) above {x:.1%}"
+    values["trap_more_md"] = ", ".join(f"`{f}` on {m} (lost in {h}) above {x:.1%}"
                                        for x, f, m, h in later_ppl[1:4]) or "no other format"
-    values["n_trap_more"] = max(len(later_ppl) - 1, 0)  # every (format, model, haystack) a looser bar would let in
+    values["n_trap_more"] = max(len(later_ppl) - 1, 0)  # every (format, model) a looser bar would let in
     never_one = [f for f in both[0]["never"] if all(f in m["never"] for m in both)]  # filler, every length alone
     # no loss detected: never worse at any one length in either haystack, nor with them all pooled, on both models
     values["never_both"] = [f for f in never_one if all(f in m["held"] for m in both)]
