@@ -1173,8 +1173,8 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
             f"On {m['name']} ({m['cached']['lengths_text']}), "
             + ("; ".join(f"`{key.split()[0]}` was worse than full precision at {_k(int(key.split()[1]))} with the prompt "
                          f"reading the cache (−{m['cached']['c'][key]['lost']} +{m['cached']['c'][key]['gained']}) and "
-                         "not with the prompt in full precision, a difference of verdicts rather than a measured "
-                         "difference" for key in m["cached_new"])
+                         "not with the prompt in full precision (the verdicts differ; whether the modes do is the direct comparison "
+                         "that follows)" for key in m["cached_new"])
                if m["cached_new"] else
                ("the formats worse than full precision in this mode, " + _keys_md(worse_ref)
                 + ", were already worse with the prompt in full precision" if worse_ref
