@@ -1652,6 +1652,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "fp8_blocks_x": blocks["fp8_e4m3"] / blocks["bf16"], "int4_blocks_x": blocks["int4"] / blocks["bf16"],
         "b": b, "f8": f8, "i4": i4, "gain_f8": 100 * gain["fp8_e4m3"], "gain_i4": 100 * gain["int4"],
         "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_exact), "int4_near": ", ".join(int4_near),
+
         "ppl": ppl, "int4_labels": {f: needle[f] for f in int4_rows},
         # to admit an INT4 row on perplexity alone, the limit must pass its larger increase of the two models
         "min_int4_ppl": min(max(ppl[f].values()) for f in int4_rows),
@@ -1680,12 +1681,16 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     # chapter 4's rule is each test at p < 0.05; corrected for the number of tests (Holm), these rows would hold
     holm_both = [f for f in int4_rows if all(f in mf["held"] or f in mf["holm_rescued"] for mf in mfs)]
     over = [f for f in holm_both if max(ppl[f].values()) > CH5_PPL_LIMIT]
-    values["int4_holm_md"] = ("Holm's correction for the number of tests (chapter 6.4) would not change that" if not holm_both
-                              else f"Corrected for the number of tests (Holm's method, chapter 6.4), {names_md(holm_both)} "
+    values["int4_holm_md"] = ("[Holm's correction](glossary.md#paired-test) for the number of tests (chapter 6.4) would "
+                              "not change that" if not holm_both
+                              else f"Corrected for the number of tests ([Holm's method](glossary.md#paired-test), chapter 6.4), {names_md(holm_both)} "
                               "would hold on both" + (f", and perplexity (below) would still turn {names_md(over)} away"
                                                       if over else ""))
     values["low_held_offered"] = [f for f in low_held if _plain_low_bit(f) and any(engine_options(f).values())]
+    from .formats import engines_offering
+
     claims = {
+        "no engine stores int4, the INT4 layout chapter 5 prices": _claim(engines_offering(["int4"])["int4"] == []),
         "the L4's memory is its datasheet figure in 10^9 bytes (no CUDA figure in the presets)":
             _claim(gpu.memory_bytes == int(gpu.nominal_gb * 1e9), (gpu.memory_bytes, gpu.nominal_gb)),
         "FP8 holds twice BF16's blocks, INT4 about 3.5 times":
@@ -1799,8 +1804,9 @@ def _holm_call_md(extra: list[str], waiting: list[str]) -> str:
     """What Holm's correction would change in chapter 6's call: formats it would let pass (``extra``), or those
     it would clear that still wait for a needle verdict (``waiting``), or nothing."""
     if extra:
-        return (f"With that correction {names_md(extra)} would also pass the screen, on no fewer GPUs than the call, "
-                "so the call stays.")
+        return (f"With that correction {names_md(extra)} would also pass the screen; none needs fewer GPUs than the "
+                "call, so under the same rule (GPUs, then throughput, then the tie to the format more engines offer) "
+                "the call stays.")
     if waiting:
         return (f"Every format Holm would clear misses the perplexity bar anyway (6.2's table) except {names_md(waiting)}, "
                 "added later, which has no needle verdict on Gemma yet, so the shortlist stays as it is.")
@@ -1894,7 +1900,13 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
                  if call else None}
     fewest_gpus = min(p["gpus"] for p in plans.values() if p)
     at_fewest = [f for f, p in plans.items() if p and p["gpus"] == fewest_gpus]
+    import json
+
+    from .paths import RESULTS_DIR
+
+    llama_times = json.loads((RESULTS_DIR / "engines_llamacpp.json").read_text())["cache_types"]  # chapter 4's appendix C
     values = {
+        "q4_slow": llama_times["q4_0"]["seconds"] / llama_times["f16"]["seconds"],
         "plans": plans, "plans_md": _plans_md(plans, by), "mbu": MBU, "mfu": MFU, "ppl_bar": PPL_TOLERANCE,
         "noise_lo": min(noise), "noise_hi": max(noise), "eight_md": names_md(eight), "ppl2": ppl2, "risk": risk,
         "nvfp4_bits": get_format("nvfp4").bits_per_element(128),
