@@ -510,7 +510,7 @@ def test_a_second_signal_during_one_long_step_forces_a_clean_exit(tmp_path):
         try:
             url = f"http://127.0.0.1:{free}"
 
-            def ask():
+            def ask(url=url):
                 with contextlib.suppress(httpx.HTTPError):
                     httpx.post(url + "/v1/completions", json={"prompt": [5] * 32000, "max_tokens": 1, "echo": True},
                                timeout=120)
