@@ -198,7 +198,7 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
     if not depths or any(not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d <= 1 for d in depths) \
             or len({float(d) for d in depths}) < len(depths):
         raise ValueError(f"depths must be distinct numbers from 0 to 1, got {depths}")
-    from .results import llamacpp_cells_problem
+    from .results import llamacpp_cells_problem, llamacpp_unresumed
 
     if done is None:
         done = {}
@@ -206,13 +206,9 @@ def llamacpp_passkey(gguf, tok, *, cache_types=LLAMA_CACHE_TYPES, lengths=(512, 
         raise ValueError("done must be an earlier result: {cache type: {'rows': [...], 'seconds': s}}")
     if why := llamacpp_cells_problem(done):
         raise ValueError(f"done is not an earlier result of this function: {why}")
-    for ct in cache_types:  # a cut-off cell this call would not resume would be overwritten by the next one
-        part = done.get(ct, {}).get("partial")
-        if part and ((part["length"], float(part["depth"])) not in {(n, float(d)) for n in lengths for d in depths}
-                     or part["trials"] != trials or part.get("swa_full") != swa_full):
-            raise ValueError(f"done holds a cut-off {ct} cell ({part['length']} tokens, depth {part['depth']}, "
-                             f"{part['trials']} trials, swa_full={part.get('swa_full')}) that this call would not "
-                             "resume: run with its length, depth, trials and sliding-window setting")
+    if why := llamacpp_unresumed(done, tuple(cache_types), lengths, depths, trials, swa_full):
+        raise ValueError(f"done holds {why} that this call would not resume: run with its length, depth, trials "
+                         "and sliding-window setting")
     out = {ct: {"rows": list(v["rows"]), "seconds": float(v.get("seconds", 0.0)),
                 **({"partial": v["partial"]} if v.get("partial") else {})} for ct, v in done.items()}
     for ct in cache_types:

@@ -738,6 +738,12 @@ def _plain_low_bit(fmt: str) -> bool:
     return _low_bit(fmt) and "+" not in fmt and "@" not in fmt
 
 
+def _short_passed(m: dict, fmt: str) -> bool:
+    """The short needle passed ``fmt`` on model facts ``m``: not worse at the shortest length in either haystack."""
+    return (m["by"][fmt]["short_verdict"] != "worse"
+            and m["lengths"][0] not in m["prose"]["by"].get(fmt, {}).get("worse_at", []))
+
+
 def _refuse_to_skip(models: list[dict]) -> dict:
     """What each rung, run alone, would have let ship: the low-bit formats it passed that another rung showed
     losing needles (worse than full precision at some length in either haystack, or pooled). The answer to chapter 4's check-yourself
@@ -751,7 +757,7 @@ def _refuse_to_skip(models: list[dict]) -> dict:
             if r["ppl_increase"] is not None and r["ppl_ok"]:
                 passes["ppl"].add((m["name"], f))
             prose_at = m["prose"]["by"].get(f, {}).get("worse_at", [])  # each rung is run in both haystacks
-            if r["short_verdict"] != "worse" and m["lengths"][0] not in prose_at:
+            if _short_passed(m, f):
                 passes["short"].add((m["name"], f))
             if m["longest"] not in r["worse_at"] and m["longest"] not in prose_at:
                 passes["long"].add((m["name"], f))
@@ -803,7 +809,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
     from .endpoint import load as load_side_by_side
     from .endpoint import results as side_results
     from .paths import RESULTS_DIR
-    from .results import counts, ladder, llamacpp_vs_kvlab, load_sweep
+    from .results import counts, ladder, llamacpp_time_ratio, llamacpp_vs_kvlab, load_sweep
 
     sweep = load_sweep()
     E = sweep["formats"]
@@ -931,7 +937,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
           "h2_engine": passkeys(h2, "engine"), "h2_kvlab": passkeys(h2, "kvlab"),
           "llama": llama, "side": side, "max_drop_llama": 100 * max(abs(d) for d in drop["llama.cpp"].values()),
           "max_drop_kvlab": 100 * max(abs(d) for d in drop["kvlab"].values()), "max_gap": max(abs(g) for g in gap.values()),
-          "q4_slow": side["q4_0"]["seconds"] / side["f16"]["seconds"],
+          "q4_slow": llamacpp_time_ratio(llama["cache_types"], "q4_0"),
           "srv": srv, "srv_results": res, "srv_acc_t": sacc[t_url], "srv_acc_s": sacc[s_url], "srv_prompts": n_srv,
           "srv_disagree": len(srv["disagreements"]), "srv_ag": srv["agreement"],
           "srv_sec_t": srv["seconds_per_request"][t_url], "srv_sec_s": srv["seconds_per_request"][s_url],
@@ -989,10 +995,9 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     values["zero_point_ppl"] = {CH4_KEYS.get(k, k): sw.paired_perplexity("lmdeploy-int4")["increase"]
                                 for k, sw in sweeps.items() if "lmdeploy-int4" in sw.all_formats}
     values["q"] = _refuse_to_skip([values[k] for k in keys])
-    from .budget import (
-        load_shape,  # Gemma's layers: how many see the whole context, how far the others see
-    )
-    layers = load_shape("gemma-3-270m").layers
+    from .budget import load_shape
+
+    layers = load_shape("gemma-3-270m").layers  # how many of Gemma's layers see the whole context, how far the rest
     values["gemma_layers"] = {"all": len(layers), "global": sum(x.window is None for x in layers),
                               "sliding": sum(x.window is not None for x in layers),
                               "window": max(x.window or 0 for x in layers)}
@@ -1346,15 +1351,11 @@ def where_int4_breaks(sweeps: dict | None = None) -> Facts:
     # the loosest bar that still lets no format through: the smallest perplexity among the formats that passed the
     # short needle and lost a longer one, in either haystack
     # (a format on a model: the short needle is run in both haystacks, so it must have passed in both)
-    def short_ok(m, f):
-        return (m["by"][f]["short_verdict"] != "worse"
-                and m["lengths"][0] not in m["prose"]["by"].get(f, {}).get("worse_at", []))
-
     def lost_in(m, f):
         return " and ".join(h for h, st in (("filler", m), ("prose", m["prose"])) if f in st["later"])
     later_ppl = sorted({(m["ppl"][f], f, short_model_name(m["name"]), lost_in(m, f))
                         for m in both for f in set(m["later"]) | set(m["prose"]["later"])
-                        if f in m["ppl"] and short_ok(m, f)})
+                        if f in m["ppl"] and _short_passed(m, f)})
     values["trap_at"], values["trap_first"] = later_ppl[0][:2] if later_ppl else (None, None)
     values["trap_first_md"] = "none"
     for m in both:  # where that format lost a longer needle: the evidence the "would have been trapped" rests on
@@ -1652,7 +1653,6 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "fp8_blocks_x": blocks["fp8_e4m3"] / blocks["bf16"], "int4_blocks_x": blocks["int4"] / blocks["bf16"],
         "b": b, "f8": f8, "i4": i4, "gain_f8": 100 * gain["fp8_e4m3"], "gain_i4": 100 * gain["int4"],
         "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_exact), "int4_near": ", ".join(int4_near),
-
         "ppl": ppl, "int4_labels": {f: needle[f] for f in int4_rows},
         # to admit an INT4 row on perplexity alone, the limit must pass its larger increase of the two models
         "min_int4_ppl": min(max(ppl[f].values()) for f in int4_rows),
@@ -1903,10 +1903,11 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     import json
 
     from .paths import RESULTS_DIR
+    from .results import llamacpp_time_ratio
 
-    llama_times = json.loads((RESULTS_DIR / "engines_llamacpp.json").read_text())["cache_types"]  # chapter 4's appendix C
+    llama = json.loads((RESULTS_DIR / "engines_llamacpp.json").read_text())  # chapter 4's appendix C
     values = {
-        "q4_slow": llama_times["q4_0"]["seconds"] / llama_times["f16"]["seconds"],
+        "q4_slow": llamacpp_time_ratio(llama["cache_types"], "q4_0"),
         "plans": plans, "plans_md": _plans_md(plans, by), "mbu": MBU, "mfu": MFU, "ppl_bar": PPL_TOLERANCE,
         "noise_lo": min(noise), "noise_hi": max(noise), "eight_md": names_md(eight), "ppl2": ppl2, "risk": risk,
         "nvfp4_bits": get_format("nvfp4").bits_per_element(128),

@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .formats import LLAMA_CACHE_TYPES
 from .paths import RESULTS_DIR
 
 ALPHA = 0.05  # the one significance level of the workbook's paired comparisons
@@ -867,9 +868,6 @@ def _paired(fmt: str, reference: str, a: list[bool], b: list[bool]) -> Paired:
                   gained=sum(x and not y for x, y in zip(a, b)))
 
 
-LLAMA_TYPES = ("f16", "q8_0", "q4_0")  # kvlab.formats.LLAMA_CACHE_TYPES, without importing torch
-
-
 def _int_at_least(x, low: int = 0) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
@@ -886,8 +884,8 @@ def llamacpp_cells_problem(cache_types) -> str | None:
     if not isinstance(cache_types, dict):
         return "cache_types must be an object {cache type: cell}"
     for ct, v in cache_types.items():
-        if ct not in LLAMA_TYPES:
-            return f"cache type {str(ct)[:40]!r} is not one of {', '.join(LLAMA_TYPES)}"
+        if ct not in LLAMA_CACHE_TYPES:
+            return f"cache type {str(ct)[:40]!r} is not one of {', '.join(LLAMA_CACHE_TYPES)}"
         if not isinstance(v, dict) or not isinstance(v.get("rows"), list) or not _finite(v.get("seconds", 0.0)):
             return f"{ct}: a cell must hold its rows (a list) and seconds (a finite number >= 0)"
         seen = set()
@@ -932,10 +930,28 @@ def llamacpp_doc_problem(doc) -> str | None:
         if not (isinstance(r, dict) and isinstance(r.get("machine"), str) and isinstance(r.get("dates"), list)
                 and len(r["dates"]) == 2 and all(isinstance(d, str) for d in r["dates"])
                 and isinstance(r.get("prompts"), dict)
-                and all(k in LLAMA_TYPES and _int_at_least(n) for k, n in r["prompts"].items())
-                and all(k in LLAMA_TYPES and _finite(x) for k, x in (r.get("seconds") or {}).items())):
+                and all(k in LLAMA_CACHE_TYPES and _int_at_least(n) for k, n in r["prompts"].items())
+                and all(k in LLAMA_CACHE_TYPES and _finite(x) for k, x in (r.get("seconds") or {}).items())):
             return f"its 'runs' log is not one this script wrote (each needs machine, two dates, prompts); got {str(r)[:80]}"
     return None
+
+
+def llamacpp_unresumed(cache_types: dict, run: tuple, lengths, depths, trials: int, swa_full) -> str | None:
+    """A cut-off cell among ``cache_types`` of the types in ``run`` that a run of these lengths, depths, trials and
+    sliding-window setting would not resume (its next cut-off cell would overwrite it), described; else None."""
+    cells = {(n, float(d)) for n in lengths for d in depths}
+    for ct in run:
+        part = (cache_types.get(ct) or {}).get("partial")
+        if part and ((part["length"], float(part["depth"])) not in cells or part["trials"] != trials
+                     or part.get("swa_full") != swa_full):
+            return (f"a cut-off {ct} cell ({part['length']} tokens, depth {part['depth']}, {part['trials']} trials, "
+                    f"swa_full={part.get('swa_full')})")
+    return None
+
+
+def llamacpp_time_ratio(cache_types: dict, cache_type: str, reference: str = "f16") -> float:
+    """How many times ``reference``'s run time ``cache_type``'s llama.cpp run took (prompts and answers, wall time)."""
+    return cache_types[cache_type]["seconds"] / cache_types[reference]["seconds"]
 
 
 def llamacpp_answered(cache_types: dict) -> dict[str, int]:

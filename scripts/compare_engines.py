@@ -48,7 +48,7 @@ from kvlab.cli import MAX_LENGTH, Parser, float_flag, int_flag, path_flag
 from kvlab.env import cpu_model
 from kvlab.formats import LLAMA_CACHE_TYPES
 from kvlab.paths import RESULTS_DIR, out_problem, read_json, write_json
-from kvlab.results import llamacpp_doc_problem
+from kvlab.results import llamacpp_doc_problem, llamacpp_unresumed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,14 +130,10 @@ def main(argv=None) -> dict:
                     + ", ".join(f"{k} {was[k]} there, {now[k]} here" for k in diff)
                     + "): pass the same to resume it, or give a new --out")
         swa = None if args.swa_cache is None else args.swa_cache == "full"
-        for ct, v in old["cache_types"].items():  # a cut-off cell this run would not resume would be overwritten
-            part = v.get("partial")
-            if part and (args.cache_types is None or ct in args.cache_types) and (
-                    part["length"] not in args.lengths or part.get("swa_full") != swa):
-                p.error(f"--out {args.out} holds a cut-off {ct} cell at {part['length']} tokens "
-                        f"(swa_full={part.get('swa_full')}): resume it with --lengths {part['length']}"
-                        + ("" if part.get("swa_full") is None else
-                           f" --swa-cache {'full' if part['swa_full'] else 'window'}") + ", or give a new --out")
+        if why := llamacpp_unresumed(old["cache_types"], tuple(args.cache_types or LLAMA_CACHE_TYPES), args.lengths,
+                                     args.depths, args.trials, swa):  # the run would overwrite it
+            p.error(f"--out {args.out} holds {why}: resume it with its length among --lengths and the --swa-cache "
+                    "that wrote it (none: llama-cpp-python's default; False: window), or give a new --out")
         args.resumed = old
     import torch  # after the flags are checked: a refusal comes in well under a second, not after torch loads
 
@@ -199,7 +195,8 @@ def llama(args) -> dict:
         print(f"resuming {args.out}: {sum(len(v['rows']) for v in old['cache_types'].values())} rows kept")
 
     # each session that adds prompts logs its machine, dates and counts: a file resumed elsewhere stays truthful
-    runs, started = list((old or {}).get("runs", [])) if doc["cache_types"] else [], dt.date.today().isoformat()
+    runs = list(old.get("runs", [])) if old is not None else []
+    started = dt.date.today().isoformat()
     before = llamacpp_answered(doc["cache_types"])
     sec_before = {ct: float(v.get("seconds", 0.0)) for ct, v in doc["cache_types"].items()}
 
