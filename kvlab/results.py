@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -973,12 +974,18 @@ def llamacpp_log_run(runs: list, before: dict, cache_types: dict, seconds_before
     return list(runs) + [{**where, "prompts": prompts, "seconds": seconds}]
 
 
+def _md_text(value) -> str:
+    """``value`` as literal Markdown text: a machine name such as ``Xeon_*v4*`` must not turn into emphasis or a
+    table cell border in a chapter."""
+    return re.sub(r"([\\`*_{}\[\]<>#|~])", r"\\\1", str(value))
+
+
 def llamacpp_machines_md(doc: dict) -> str:
     """Where a llama.cpp file's prompts ran: "AMD EPYC, 2026-12-02 to 2026-12-03 (50 f16, 25 q4_0 prompts) and ..."
     from its ``runs``; a file without them names its one machine and date."""
     runs = doc.get("runs") or []
     if not runs:
-        return f"{doc.get('machine', '?')}, {doc.get('date', '?')}"
+        return f"{_md_text(doc.get('machine', '?'))}, {_md_text(doc.get('date', '?'))}"
 
     merged = []  # consecutive sessions on the same kind of machine read as one stretch
     for r in runs:
@@ -993,7 +1000,7 @@ def llamacpp_machines_md(doc: dict) -> str:
         d0, d1 = r["dates"]
         when = d0 if d0 == d1 else f"{d0} to {d1}"
         word = "prompt" if sum(r["prompts"].values()) == 1 else "prompts"
-        return f"{r['machine']}, {when} ({', '.join(f'{n} {ct}' for ct, n in r['prompts'].items())} {word})"
+        return f"{_md_text(r['machine'])}, {when} ({', '.join(f'{n} {ct}' for ct, n in r['prompts'].items())} {word})"
     parts = [one(r) for r in merged]
     return parts[0] if len(parts) == 1 else "; ".join(parts[:-1]) + "; and " + parts[-1]
 

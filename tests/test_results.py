@@ -535,3 +535,13 @@ def test_a_resumed_llamacpp_run_logs_each_sessions_machine_and_prompts():
     assert llamacpp_machines_md({"runs": [{**first[0], "prompts": {"q4_0": 1}}]}).endswith("(1 q4_0 prompt)")
     again = runs + [{"machine": "B", "dates": ["2026-12-08", "2026-12-09"], "prompts": {"q4_0": 4, "q8_0": 1}}]
     assert llamacpp_machines_md({"runs": again}).endswith("; and B, 2026-12-07 to 2026-12-09 (7 q4_0, 1 q8_0 prompts)")
+
+
+def test_a_machine_name_goes_into_a_chapter_as_literal_text():
+    """A CPU name with Markdown in it (``_``, ``*``, ``|``) reads as written, not as emphasis or a table border."""
+    from kvlab.results import llamacpp_machines_md
+
+    run = {"machine": "Xeon_*v4* | AMX", "dates": ["2026-12-07", "2026-12-07"], "prompts": {"q4_0": 2}}
+    assert llamacpp_machines_md({"runs": [run]}) == r"Xeon\_\*v4\* \| AMX, 2026-12-07 (2 q4_0 prompts)"
+    assert llamacpp_machines_md({"machine": "a_b", "date": "2026-12-01"}) == r"a\_b, 2026-12-01"
+    assert llamacpp_machines_md({"runs": [{**run, "machine": "Intel(R) Xeon(R)"}]}).startswith("Intel(R) Xeon(R),")
