@@ -937,6 +937,8 @@ def _smollm2_ladder() -> tuple[dict, dict]:
           "h2_engine": passkeys(h2, "engine"), "h2_kvlab": passkeys(h2, "kvlab"),
           "llama": llama, "side": side, "max_drop_llama": 100 * max(abs(d) for d in drop["llama.cpp"].values()),
           "max_drop_kvlab": 100 * max(abs(d) for d in drop["kvlab"].values()), "max_gap": max(abs(g) for g in gap.values()),
+          "max_gap_f16": max(abs(g) for (ct, _), g in gap.items() if ct == "f16"),
+          "llama_point_prompts": llama["trials"] * len(llama["depths"]),
           "q4_slow": llamacpp_time_ratio(llama["cache_types"], "q4_0"),
           "srv": srv, "srv_results": res, "srv_acc_t": sacc[t_url], "srv_acc_s": sacc[s_url], "srv_prompts": n_srv,
           "srv_disagree": len(srv["disagreements"]), "srv_ag": srv["agreement"],
@@ -1501,7 +1503,12 @@ def llamacpp_gemma(sweep, path=None) -> dict:
     import json
 
     from .paths import RESULTS_DIR
-    from .results import llamacpp_machines_md, llamacpp_paired, llamacpp_pending
+    from .results import (
+        fewest_prompts_to_detect,
+        llamacpp_machines_md,
+        llamacpp_paired,
+        llamacpp_pending,
+    )
 
     path = path or RESULTS_DIR / "engines_llamacpp_gemma3.json"
     if sweep is None or not path.is_file():
@@ -1510,8 +1517,8 @@ def llamacpp_gemma(sweep, path=None) -> dict:
                 "(after `make peers`) writes it.", "llama_gemma_summary_md": ""}
     doc = json.loads(path.read_text())
     pairs = llamacpp_paired(doc, sweep)
-    rows = ["| cache | context | llama.cpp found | vs its f16 | kvlab format (prefill) | kvlab found | vs its fp32 | "
-            "same answer |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| cache | context | llama.cpp found | vs its f16 (−lost +gained) | kvlab format (prefill) | kvlab found | "
+            "vs its fp32 (−lost +gained) | both right or both wrong |", "|---|---|---|---|---|---|---|---|"]
     agree = []
     for ct, by_n in pairs.items():
         for n, x in by_n.items():
@@ -1531,26 +1538,39 @@ def llamacpp_gemma(sweep, path=None) -> dict:
         "elsewhere llama-cpp-python's default full-size cache, with the shared prefix of consecutive prompts reused.")
     running = "; ".join(f"{ct} at {_k(n)}: {k} of {len(doc['depths']) * doc['trials']} prompts run so far"
                         for ct, by_n in pending.items() for n, k in by_n.items())
-    summary = (f"llama.cpp {doc.get('versions', {}).get('llama-cpp-python', '?')} (llama-cpp-python) ran on "
-               f"{llamacpp_machines_md(doc)}. "
+    pending_md = (f"\n\n*Not finished, so not in the table:* {running} (`python scripts/compare_engines.py --llama-cpp "
+                  f"--model gemma3-270m --lengths {' '.join(str(n) for n in doc['lengths'])}"
+                  f"{' --swa-cache window' if window else ''}` resumes it)." if pending else "")
+    between = [(ct, n, x["between"]) for ct, by_n in pairs.items() for n, x in by_n.items() if ct != "f16"]
+    b_max = max(between, key=lambda t: t[2].lost + t[2].gained) if between else None
+    direct_md = "" if not b_max else (
+        f" Set directly against each other on the same prompts, llama.cpp and kvlab with the same cache type differed "
+        f"in correctness on at most {b_max[2].lost + b_max[2].gained} of {b_max[2].prompts} ({b_max[0]} at "
+        f"{_k(b_max[1])}: kvlab alone right on {b_max[2].lost}, llama.cpp alone on {b_max[2].gained}); the exact test "
+        + ("found no difference in any row" if all(b.verdict == "not distinguishable" for _, _, b in between)
+           else "found a difference in " + ", ".join(f"{ct} at {_k(n)}" for ct, n, b in between
+                                                       if b.verdict != "not distinguishable"))
+        + f" (smallest p {min(b.p for _, _, b in between):.2f}). With {b_max[2].prompts} prompts that test calls a "
+        f"difference only from {fewest_prompts_to_detect()} discordant prompts all one way, so the agreement rules "
+        "out large differences, not small ones.")
+    summary = (f"llama.cpp as built by llama-cpp-python {doc.get('versions', {}).get('llama-cpp-python', '?')}, on "
+               "the same Q4_K_M GGUF file kvlab loads (kvlab dequantizes its weights once; llama.cpp computes with them "
+               f"directly), ran on {llamacpp_machines_md(doc)}. "
                + ("Against its own full-precision cache, each quantized cache got the same paired verdict in llama.cpp "
                   "as in kvlab: " if same else "The paired verdicts differ between the two: ")
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
-                           f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + ". llama.cpp Hadamard-rotated Q, K "
-               "and V before its quantized caches (its default since PR #21038) and kvlab's q8_0 and q4_0 did not, so "
-               "each row sets rotated blocks beside unrotated ones." + swa_md
-               + (f" Not finished yet, so not in the table (`python scripts/compare_engines.py --llama-cpp --model "
-                  f"gemma3-270m --lengths {' '.join(str(n) for n in doc['lengths'])}"
-                  f"{' --swa-cache window' if window else ''}` resumes it): {running}."
-                  if pending else ""))
+                           f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + "." + direct_md
+               + " llama.cpp Hadamard-rotated Q, K and V before its quantized caches (its default since PR #21038) and "
+               "kvlab's q8_0 and q4_0 did not, so each row sets rotated blocks beside unrotated ones (kvlab's rotated "
+               "`q4_0+rotate` ran with the prompt in full precision only: chapter 6.4)." + swa_md)
     intro = ("The long-context model's GGUF ran in llama.cpp too, on the long sweep's own filler prompts (same seed, "
              "depths and prompts a depth), so each llama.cpp answer pairs with kvlab's on the identical prompt. "
              "llama.cpp's prompt reads its quantized cache, so its q4_0 sits beside kvlab's q4_0 with the prompt "
              "reading the cache where the sweep ran that mode (4.4), and beside the full-precision prompt otherwise. "
              "Each side is judged against its own full-precision cache (llama.cpp's f16, kvlab's fp32) by the paired "
              "test; the last column counts the prompts on which llama.cpp and kvlab, with the same cache type, were "
-             "both right or both wrong.\n\n")
-    return {"llama_gemma_ran": True, "llama_gemma": doc, "llama_gemma_pairs": pairs, "llama_gemma_md": intro + "\n".join(rows),
+             "both right or both wrong (the same correctness, not necessarily the same digits).\n\n")
+    return {"llama_gemma_ran": True, "llama_gemma": doc, "llama_gemma_pairs": pairs, "llama_gemma_md": intro + "\n".join(rows) + pending_md,
             "llama_gemma_agree": same, "llama_gemma_summary_md": summary}
 
 

@@ -185,9 +185,23 @@ def test_llamacpp_on_gemma_is_tabled_beside_kvlab_with_each_sides_verdict(tmp_pa
     assert v["llama_gemma_ran"] and v["llama_gemma_agree"]  # both call q4_0 worse (−7 and −6), q8_0 not
     assert "| q4_0 | 64 | 1/8 | −7 +0 ✗ | `q4_0` (prompt reads the cache) | 2/8 | −6 +0 ✗ | 7/8 |" in v["llama_gemma_md"]
     assert "q4_0 at 64: llama.cpp worse (−7 +0), kvlab worse (−6 +0)" in v["llama_gemma_summary_md"]
+    # set directly against each other: only prompt 6 differs (kvlab right, llama.cpp wrong)
+    assert ("differed in correctness on at most 1 of 8 (q4_0 at 64: kvlab alone right on 1, llama.cpp alone on 0); "
+            "the exact test found no difference in any row (smallest p 1.00)") in v["llama_gemma_summary_md"]
+    assert "*Not finished" not in v["llama_gemma_md"]
     doc["cache_types"]["q4_0"]["rows"] = [row([True] * 8)]
     (tmp_path / "l.json").write_text(json.dumps(doc))
-    assert not facts.llamacpp_gemma(sweep, tmp_path / "l.json")["llama_gemma_agree"]
+    v = facts.llamacpp_gemma(sweep, tmp_path / "l.json")
+    assert not v["llama_gemma_agree"]
+    assert ("at most 6 of 8 (q4_0 at 64: kvlab alone right on 0, llama.cpp alone on 6); the exact test found a "
+            "difference in q4_0 at 64 (smallest p 0.03)") in v["llama_gemma_summary_md"]
+    doc["cache_types"]["q4_0"]["rows"] = []
+    doc["cache_types"]["q4_0"]["partial"] = {"length": 64, "depth": 0.0, "trials": 8, "outcomes": [True, False]}
+    doc |= {"lengths": [64], "depths": [0.0], "trials": 8}
+    (tmp_path / "l.json").write_text(json.dumps(doc))
+    v = facts.llamacpp_gemma(sweep, tmp_path / "l.json")
+    assert "*Not finished, so not in the table:* q4_0 at 64: 2 of 8 prompts run so far" in v["llama_gemma_md"]
+    assert "| q4_0 |" not in v["llama_gemma_md"]
 
 
 def test_a_needle_verdict_says_whether_holms_correction_keeps_it():
