@@ -939,6 +939,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
           "max_drop_kvlab": 100 * max(abs(d) for d in drop["kvlab"].values()), "max_gap": max(abs(g) for g in gap.values()),
           "max_gap_f16": max(abs(g) for (ct, _), g in gap.items() if ct == "f16"),
           "llama_point_prompts": llama["trials"] * len(llama["depths"]),
+          "max_gap_prompts": round(max(abs(g) for g in gap.values()) * llama["trials"] * len(llama["depths"])),
           "q4_slow": llamacpp_time_ratio(llama["cache_types"], "q4_0"),
           "srv": srv, "srv_results": res, "srv_acc_t": sacc[t_url], "srv_acc_s": sacc[s_url], "srv_prompts": n_srv,
           "srv_disagree": len(srv["disagreements"]), "srv_ag": srv["agreement"],
@@ -1566,7 +1567,8 @@ def llamacpp_gemma(sweep, path=None) -> dict:
     intro = ("The long-context model's GGUF ran in llama.cpp too, on the long sweep's own filler prompts (same seed, "
              "depths and prompts a depth), so each llama.cpp answer pairs with kvlab's on the identical prompt. "
              "llama.cpp's prompt reads its quantized cache, so its q4_0 sits beside kvlab's q4_0 with the prompt "
-             "reading the cache where the sweep ran that mode (4.4), and beside the full-precision prompt otherwise. "
+             "reading the cache where the sweep ran that mode (4.4), and beside the full-precision prompt otherwise (the q8_0 "
+             "rows); with the rotation below, no kvlab row matches llama.cpp in both rotation and prefill mode. "
              "Each side is judged against its own full-precision cache (llama.cpp's f16, kvlab's fp32) by the paired "
              "test; the last column counts the prompts on which llama.cpp and kvlab, with the same cache type, were "
              "both right or both wrong (the same correctness, not necessarily the same digits).\n\n")
