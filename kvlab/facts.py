@@ -926,6 +926,7 @@ def _smollm2_ladder() -> tuple[dict, dict]:
         return x[0] / x[1]
 
     gap = {(ct, n): rate(x["llama.cpp"]) - rate(x["kvlab"]) for ct, rr in side.items() for n, x in rr["lengths"].items()}
+    max_gap, point = max(abs(g) for g in gap.values()), llama["trials"] * len(llama["depths"])  # prompts a point
     drop = {who: {(ct, n): rate(side["f16"]["lengths"][n][who]) - rate(side[ct]["lengths"][n][who])
                   for ct in side for n in side[ct]["lengths"]} for who in ("llama.cpp", "kvlab")}
     srv = load_side_by_side(RESULTS_DIR / "engines_llamacpp_server.json")
@@ -936,10 +937,9 @@ def _smollm2_ladder() -> tuple[dict, dict]:
     v |= {"eng": eng, "i4": i4, "i2": i2, "rate2": rate2, "hq": hq, "h4": h4, "h2": h2,
           "h2_engine": passkeys(h2, "engine"), "h2_kvlab": passkeys(h2, "kvlab"),
           "llama": llama, "side": side, "max_drop_llama": 100 * max(abs(d) for d in drop["llama.cpp"].values()),
-          "max_drop_kvlab": 100 * max(abs(d) for d in drop["kvlab"].values()), "max_gap": max(abs(g) for g in gap.values()),
+          "max_drop_kvlab": 100 * max(abs(d) for d in drop["kvlab"].values()), "max_gap": max_gap,
           "max_gap_f16": max(abs(g) for (ct, _), g in gap.items() if ct == "f16"),
-          "llama_point_prompts": llama["trials"] * len(llama["depths"]),
-          "max_gap_prompts": round(max(abs(g) for g in gap.values()) * llama["trials"] * len(llama["depths"])),
+          "llama_point_prompts": point, "max_gap_prompts": round(max_gap * point),
           "q4_slow": llamacpp_time_ratio(llama["cache_types"], "q4_0"),
           "srv": srv, "srv_results": res, "srv_acc_t": sacc[t_url], "srv_acc_s": sacc[s_url], "srv_prompts": n_srv,
           "srv_disagree": len(srv["disagreements"]), "srv_ag": srv["agreement"],
@@ -1542,16 +1542,17 @@ def llamacpp_gemma(sweep, path=None) -> dict:
     pending_md = (f"\n\n*Not finished, so not in the table:* {running} (`python scripts/compare_engines.py --llama-cpp "
                   f"--model gemma3-270m --lengths {' '.join(str(n) for n in doc['lengths'])}"
                   f"{' --swa-cache window' if window else ''}` resumes it)." if pending else "")
+    rotate_cached = any(sweep.counts("cached", "q4_0+rotate", n)[1] for by_n in pairs.values() for n in by_n)
     between = [(ct, n, x["between"]) for ct, by_n in pairs.items() for n, x in by_n.items() if ct != "f16"]
-    b_max = max(between, key=lambda t: t[2].lost + t[2].gained) if between else None
+    ct_max, n_max, b_max = max(between, key=lambda t: t[2].lost + t[2].gained) if between else (None, None, None)
     direct_md = "" if not b_max else (
         f" Set directly against each other on the same prompts, llama.cpp and kvlab with the same cache type differed "
-        f"in correctness on at most {b_max[2].lost + b_max[2].gained} of {b_max[2].prompts} ({b_max[0]} at "
-        f"{_k(b_max[1])}: kvlab alone right on {b_max[2].lost}, llama.cpp alone on {b_max[2].gained}); the exact test "
+        f"in correctness on at most {b_max.lost + b_max.gained} of {b_max.prompts} ({ct_max} at "
+        f"{_k(n_max)}: kvlab alone right on {b_max.lost}, llama.cpp alone on {b_max.gained}); the exact test "
         + ("found no difference in any row" if all(b.verdict == "not distinguishable" for _, _, b in between)
            else "found a difference in " + ", ".join(f"{ct} at {_k(n)}" for ct, n, b in between
                                                        if b.verdict != "not distinguishable"))
-        + f" (smallest p {min(b.p for _, _, b in between):.2f}). With {b_max[2].prompts} prompts that test calls a "
+        + f" (smallest p {min(b.p for _, _, b in between):.2f}). With {b_max.prompts} prompts that test calls a "
         f"difference only from {fewest_prompts_to_detect()} discordant prompts all one way, so the agreement rules "
         "out large differences, not small ones.")
     summary = (f"llama.cpp as built by llama-cpp-python {doc.get('versions', {}).get('llama-cpp-python', '?')}, on "
@@ -1562,8 +1563,9 @@ def llamacpp_gemma(sweep, path=None) -> dict:
                + "; ".join(f"{ct} at {_k(n)}: llama.cpp {e.verdict} (−{e.lost} +{e.gained}), kvlab {k.verdict} "
                            f"(−{k.lost} +{k.gained})" for ct, n, _, e, k in agree) + "." + direct_md
                + " llama.cpp Hadamard-rotated Q, K and V before its quantized caches (its default since PR #21038) and "
-               "kvlab's q8_0 and q4_0 did not, so each row sets rotated blocks beside unrotated ones (kvlab's rotated "
-               "`q4_0+rotate` ran with the prompt in full precision only: chapter 6.4)." + swa_md)
+               "kvlab's q8_0 and q4_0 did not, so each row sets rotated blocks beside unrotated ones"
+               + ("" if rotate_cached else " (kvlab's rotated `q4_0+rotate` ran with the prompt in full precision "
+                  "only: chapter 6.4)") + "." + swa_md)
     intro = ("The long-context model's GGUF ran in llama.cpp too, on the long sweep's own filler prompts (same seed, "
              "depths and prompts a depth), so each llama.cpp answer pairs with kvlab's on the identical prompt. "
              "llama.cpp's prompt reads its quantized cache, so its q4_0 sits beside kvlab's q4_0 with the prompt "
