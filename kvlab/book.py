@@ -8,7 +8,11 @@ a contents page beside them. The export is made to read without a kernel or a ne
   next to the pages;
 * widgets become the static snapshot that :mod:`kvlab.widgets` puts beside each one (its figures
   and tables as they were when the cell ran, and a note to open the notebook to move the controls);
-* cells tagged ``hide-input`` (the chapters' prose-with-numbers and guard cells) show only their output.
+* cells tagged ``hide-input`` (the chapters' prose-with-numbers and guard cells) show only their output;
+* a Markdown heading collapsed in JupyterLab (cell metadata ``jp-MarkdownHeadingCollapsed``, which JupyterLab
+  itself writes and honours) becomes a ``<details>`` block on the page, holding every cell up to the next
+  heading of the same or a higher level: a chapter's evidence sits one click below its main path, in the
+  notebook and in the book alike. :func:`main_path` measures what a reader sees without opening any.
 
 A notebook that fails to execute fails the build with the cell and its traceback: the book build is
 also how ``make test`` executes the chapters.
@@ -31,7 +35,11 @@ PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 HIDE_INPUT = "hide-input"
 REMOVE = "remove-cell"  # set by prepare() on hidden cells that show nothing (the chapters' silent checks)
-PAGES = ("glossary", "bibliography")  # notebooks/<name>.md, one page each, linked from the chapters
+COLLAPSED = "jp-MarkdownHeadingCollapsed"  # JupyterLab's own cell metadata for a folded heading
+PAGES = ("glossary", "bibliography")
+# chapters rewritten in layers (issue 41): their main path must meet these targets, checked on the built book
+LAYERED = ("04_where_int4_breaks",)
+MAIN_PATH = {"words": 4000, "mean_sentence": 25, "before_figure": 800}  # notebooks/<name>.md, one page each, linked from the chapters
 
 
 def chapters(folder: Path = NOTEBOOKS_DIR) -> list[Path]:
@@ -117,6 +125,9 @@ nav.kvlab-book { display: flex; justify-content: space-between; padding: 0.75rem
                  font-family: system-ui, sans-serif; }
 nav.kvlab-book.bottom { border-top: 1px solid #ddd; border-bottom: none; }
 .kvlab-snapshot-note { color: #555; font-style: italic; }
+details.kvlab-fold { border-left: 3px solid #ccd; margin: 0.75rem 0; padding-left: 0.5rem; }
+details.kvlab-fold > summary { cursor: pointer; font-family: system-ui, sans-serif; font-weight: 600; padding: 0.4rem 0; }
+details.kvlab-fold > div.jp-Cell:first-of-type .jp-RenderedMarkdown > :is(h1, h2, h3, h4, h5):first-child { display: none; }
 """
 
 
@@ -140,12 +151,121 @@ def export(nb, page_title: str, prev=None, nxt=None) -> str:
     # no chapter writes math, and prices do have dollar signs: MathJax (from a CDN, so absent offline anyway)
     # would typeset "$2.20 ... $1.15" as a formula
     body = _MATHJAX.sub("", body)
+    body = fold(body, nb)
     head = f"<script src='plotly.min.js'></script><style>{PAGE_CSS}</style>"
     body = body.replace("</head>", head + "</head>", 1)
     top, bottom = _nav(prev, nxt), _nav(prev, nxt, "bottom")
     i = body.index(">", body.index("<body")) + 1
     body = body[:i] + top + body[i:]
     return relink(body.replace("</body>", bottom + "</body>", 1))
+
+
+def heading_level(cell) -> int | None:
+    """The level of a Markdown cell's first heading (1 for ``#``), or ``None`` when it has none."""
+    if cell.get("cell_type") != "markdown":
+        return None
+    for line in cell.get("source", "").splitlines():
+        m = re.match(r"(#{1,6})\s", line)
+        if m:
+            return len(m[1])
+    return None
+
+
+def folds(cells) -> list[tuple[int, int]]:
+    """``(start, end)`` cell ranges that JupyterLab hides under each collapsed heading: from the heading's cell
+    up to (not including) the next heading of the same or a higher level, as JupyterLab folds them."""
+    out = []
+    for i, cell in enumerate(cells):
+        level = heading_level(cell)
+        if level is None or not cell.get("metadata", {}).get(COLLAPSED):
+            continue
+        end = next((j for j in range(i + 1, len(cells)) if (heading_level(cells[j]) or 99) <= level), len(cells))
+        out.append((i, end))
+    return out
+
+
+def _summary(cell) -> str:
+    line = next(x for x in cell.source.splitlines() if re.match(r"#{1,6}\s", x))
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", line.lstrip("#").strip())  # a link's text, not its target
+    return html.escape(re.sub(r"[*_`]", "", text))
+
+
+_CELL_DIV = re.compile(r'<div class="jp-Cell [^"]*" id="cell-id=([^"]+)">')
+
+
+def fold(page: str, nb) -> str:
+    """Each collapsed heading's cells wrapped in a closed ``<details>`` (its summary the heading's text)."""
+    spans = folds(nb.cells)
+    if not spans:
+        return page
+    starts = {m[1]: m.start() for m in _CELL_DIV.finditer(page)}
+    end_of_cells = page.rindex("</main>") if "</main>" in page else len(page)
+
+    def offset(index: int) -> int:  # where cell `index` starts on the page, or the next one shown after it
+        for cell in nb.cells[index:]:
+            if cell.get("id") in starts:
+                return starts[cell["id"]]
+        return end_of_cells
+
+    inserts = []  # (offset, order, text): at one offset, closing tags before opening ones
+    for a, b in spans:
+        inserts.append((offset(a), 1, f"<details class='kvlab-fold'><summary>{_summary(nb.cells[a])}</summary>"))
+        inserts.append((offset(b), 0, "</details>"))
+    for at, _, text in sorted(inserts, key=lambda x: (x[0], x[1]), reverse=True):
+        page = page[:at] + text + page[at:]
+    return page
+
+
+_WORD = re.compile(r"[A-Za-z0-9][\w'’.,%+−-]*")
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]*_]*\s+(?=[\"'(\[*_`]*[A-Z0-9])")
+
+
+def _plain(markdown: str) -> list[str]:
+    """Markdown as plain text lines: no code blocks, no HTML, no ``<details>`` blocks, link targets dropped."""
+    text = re.sub(r"<details.*?</details>", " ", markdown, flags=re.S)
+    text = re.sub(r"```.*?```", " ", text, flags=re.S)
+    text = re.sub(r"<[^>]+>", " ", text)
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    return [re.sub(r"[*_`>]", "", line).strip() for line in text.splitlines()]
+
+
+def main_path(nb) -> dict:
+    """What a reader sees of an executed chapter without opening a fold: ``words`` (prose and tables),
+    ``mean_sentence`` (words a sentence, tables and bullets' lead-ins counted as prose lines), ``before_figure``
+    (words before the first figure; all of them when there is none) and ``figures`` (figures on the main path)."""
+    spans = folds(nb.cells)
+    hidden, summaries = {i for a, b in spans for i in range(a + 1, b)}, {a for a, _ in spans}
+    words, sentences, before, figures = 0, [], None, 0
+    for i, cell in enumerate(nb.cells):
+        if i in hidden:
+            continue
+        if i in summaries:  # a fold shows its heading only
+            texts = [next(x for x in cell.source.splitlines() if re.match(r"#{1,6}\s", x))]
+        else:
+            texts = [cell.source] if cell.cell_type == "markdown" else []
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            data = out.get("data", {})
+            if PLOTLY_MIME in data or "image/png" in data or "image/svg+xml" in data or \
+                    "Plotly.newPlot" in data.get("text/html", ""):
+                figures += 1
+                before = words if before is None else before
+            elif "text/markdown" in data:
+                texts.append(_as_text(data["text/markdown"]))
+        for text in texts:
+            prose = []
+            for line in _plain(text):
+                n = len(_WORD.findall(line))
+                words += n
+                if n and not line.startswith(("|", "#")):  # tables and headings are not sentences
+                    prose.append(line)
+            paragraph = " ".join(prose)
+            sentences += [len(_WORD.findall(s)) for s in _SENTENCE_END.split(paragraph) if _WORD.search(s)]
+    return {"words": words, "mean_sentence": sum(sentences) / max(1, len(sentences)), "sentences": len(sentences),
+            "before_figure": words if before is None else before, "figures": figures}
+
+
+def _as_text(value) -> str:
+    return "".join(value) if isinstance(value, list) else value
 
 
 _MATHJAX = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", re.S)

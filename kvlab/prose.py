@@ -2,7 +2,9 @@
 
 A chapter's sentences live in ``notebooks/prose/<chapter>.md``, where they can be edited as prose.
 Each section starts with a line ``<!-- section: NAME -->`` and runs to the next one; numbers are
-``{field:format}`` placeholders (Python's format syntax) filled from a :class:`kvlab.facts.Facts`.
+``{field:format}`` placeholders (Python's format syntax) filled from a :class:`kvlab.facts.Facts`. A file whose
+first line is ``<!-- template: jinja2 -->`` is a Jinja2 template instead: ``{{ x | fmt(".0%") }}`` for a
+number, and ``{% if ... %}`` for a sentence whose wording the data choose, so that no English is built in Python.
 The facts module checks every claim a sentence makes against the data, with named thresholds, and
 ``tests/test_facts.py`` renders every section in ``make quick``: a change to shipped data or to the
 library that breaks a sentence fails there, not at the end of the book build. A section named
@@ -23,6 +25,24 @@ from .paths import ROOT
 
 PROSE_DIR = ROOT / "notebooks" / "prose"
 _HEAD = re.compile(r"^<!-- section: ([\w.-]+) -->\s*$", re.M)
+JINJA = "<!-- template: jinja2 -->"
+
+
+def is_jinja(chapter: str, folder: Path | None = None) -> bool:
+    """Whether a chapter's prose file is written in Jinja2 (its first line says so)."""
+    path = (folder or PROSE_DIR) / f"{chapter}.md"
+    return path.is_file() and path.read_text(encoding="utf-8").lstrip().startswith(JINJA)
+
+
+def _env():
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=False)
+    env.filters["fmt"] = lambda value, spec="": format(value, spec)  # Python's format spec: ".0%", ",", "+.1%"
+    env.filters["k"] = lambda n: f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"  # 32768 -> "32k"
+    env.filters["names"] = lambda xs, empty="none": ", ".join(f"`{x}`" for x in xs) or empty
+    return env
 
 
 def sections(chapter: str, folder: Path | None = None) -> dict[str, str]:
@@ -31,6 +51,8 @@ def sections(chapter: str, folder: Path | None = None) -> dict[str, str]:
     if not path.is_file():
         raise FileNotFoundError(f"no prose file {path}")
     text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith(JINJA):
+        text = text.lstrip()[len(JINJA):]
     heads = list(_HEAD.finditer(text))
     if not heads:
         raise ValueError(f"{path} has no '<!-- section: NAME -->' lines")
@@ -43,8 +65,12 @@ def sections(chapter: str, folder: Path | None = None) -> dict[str, str]:
     return out
 
 
-def fields(template: str) -> set[str]:
+def fields(template: str, jinja: bool = False) -> set[str]:
     """The top-level names a template's placeholders read."""
+    if jinja:
+        from jinja2 import meta
+
+        return set(meta.find_undeclared_variables(_env().parse(template)))
     return {re.split(r"[.\[]", f)[0] for _, f, _, _ in string.Formatter().parse(template) if f}
 
 
@@ -53,10 +79,18 @@ def render(chapter: str, section: str, facts, folder: Path | None = None) -> str
     temps = sections(chapter, folder)
     if section not in temps:
         raise KeyError(f"{chapter}.md has no section {section!r} (it has {', '.join(temps)})")
-    missing = sorted(fields(temps[section]) - set(facts.keys()))
+    jinja = is_jinja(chapter, folder)
+    missing = sorted(fields(temps[section], jinja) - set(facts.keys()))
     if missing:
         raise KeyError(f"{chapter}.md, section {section!r}: no fact named {', '.join(missing)}")
-    return temps[section].format_map(facts)
+    if not jinja:
+        return temps[section].format_map(facts)
+    import jinja2
+
+    try:
+        return _env().from_string(temps[section]).render(dict(facts)).strip()
+    except jinja2.UndefinedError as e:  # a key or attribute inside a fact
+        raise KeyError(f"{chapter}.md, section {section!r}: {e.message}") from None
 
 
 def show(chapter: str, section: str, facts) -> None:

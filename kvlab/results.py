@@ -11,10 +11,12 @@ standard test for paired binary outcomes; the exact version is a binomial test o
 where the two disagree (Fagerland, Lydersen & Laake 2013, *BMC Med Res Methodol* 13:91).
 
     >>> from kvlab import results
-    >>> results.mcnemar(0, 6)           # full precision right, format wrong on 6 prompts; never the reverse
+    >>> results.mcnemar(6, 0)           # full precision right, format wrong on 6 prompts; never the reverse
     0.03125
-    >>> results.verdict(0, 6)
+    >>> results.verdict(6, 0)
     'worse'
+    >>> results.verdict(0, 6)           # the reverse: the format right where full precision was wrong
+    'better'
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ class LongSweep:
     some prompts of a length (or some perplexity windows) is refused there until it has them all.
 
     >>> sweep = LongSweep.load()                       # data/results/long_sweep.jsonl
-    >>> sweep.paired("filler", "int4_token", 8192).verdict
+    >>> sweep.paired("filler", "int4_token", 8192).verdict   # Gemma 3 270M: one scale per token loses needles
+    'worse'
     """
 
     def __init__(self, header: dict, records: list[dict]):

@@ -143,6 +143,12 @@ def test_every_chapter_executes_into_the_book(built_book):
                 first = cell.source.strip().splitlines()[0]
                 assert html.escape(first) not in text, f"{page}: a hide-input cell's code is visible: {first!r}"
     assert (out / "plotly.min.js").stat().st_size > 1_000_000
+    for name in book.LAYERED:  # the answer in one screen, a figure early, short sentences; the evidence folded
+        m = book.main_path(nbformat.read(out / "executed" / f"{name}.ipynb", 4))
+        assert m["figures"] >= 1 and m["words"] <= book.MAIN_PATH["words"], (name, m)
+        assert m["mean_sentence"] <= book.MAIN_PATH["mean_sentence"], (name, m)
+        assert m["before_figure"] <= book.MAIN_PATH["before_figure"], (name, m)
+        assert book.folds(nbformat.read(book.NOTEBOOKS_DIR / f"{name}.ipynb", 4).cells), f"{name} folds no evidence"
     figures = {p: r["figures"] for p, r in report.items() if "notebook" in r}
     assert all(n > 0 for p, n in figures.items() if not p.startswith("00_")), f"a chapter without figures: {figures}"
 
@@ -189,3 +195,41 @@ def test_the_book_shows_every_figure_in_a_browser(built_book):
                 page.close()
         finally:
             browser.close()
+
+
+def _folding_notebook():
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    fold = {book.COLLAPSED: True}
+    nb = nbformat.v4.new_notebook()
+    figure = code("fig")
+    figure.outputs = [nbformat.v4.new_output("display_data", data={book.PLOTLY_MIME: {"data": [], "layout": {}}})]
+    prose = code("show()")
+    prose.outputs = [nbformat.v4.new_output("display_data", data={"text/markdown": "Two words. <details>hidden "
+                                                                                   "answer words</details>"})]
+    nb.cells = [md("# Chapter 9 · T\n\nThe answer is short. It has three sentences. See [this](02_x.ipynb)."),
+                figure, prose,
+                md("## Evidence: every [verdict](glossary.md#x)\n\nMany more words here.", metadata=fold),
+                code("evidence_figure"),
+                md("### Deeper\n\nStill hidden.", metadata=fold),
+                md("## Exercises\n\n| a | b |\n|---|---|\n| one | two |")]
+    nb.cells[4].outputs = [nbformat.v4.new_output("display_data", data={book.PLOTLY_MIME: {"data": [], "layout": {}}})]
+    return nb
+
+
+def test_a_collapsed_heading_folds_its_cells_into_details_on_the_page():
+    nb = _folding_notebook()
+    assert book.folds(nb.cells) == [(3, 6), (5, 6)]  # to the next heading of the same or a higher level
+    book.prepare(nb)
+    page = book.export(nb, "T")
+    opened, closed = page.index("<details class='kvlab-fold'><summary>Evidence: every verdict</summary>"), \
+        page.index("</details></details>")
+    assert opened < page.index("Many more words") < page.index("Still hidden") < closed < page.index("Exercises")
+    assert page.index("The answer is short") < opened and page.count("<details class='kvlab-fold'>") == 2
+
+
+def test_main_path_counts_only_what_is_not_folded():
+    m = book.main_path(_folding_notebook())
+    assert m["figures"] == 1, "the figure inside the fold is not on the main path"
+    assert m["before_figure"] == len("Chapter 9 · T The answer is short. It has three sentences. See this.".split()) - 1
+    assert m["words"] == m["before_figure"] + 2 + 3 + 1 + 4, "a fold shows its heading; <details> answers are left out"
+    assert m["sentences"] == 4 and m["mean_sentence"] == pytest.approx((4 + 4 + 2 + 2) / 4)
