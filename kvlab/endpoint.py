@@ -710,13 +710,17 @@ def _counted(record: dict) -> bool:
 def _paired(disagreements: list[dict], lengths: list[int]) -> dict:
     """The book's rule on a side-by-side: the student against the teacher on the prompts both answered, by exact
     McNemar (:func:`kvlab.results.verdict`), at each length and with every length pooled. ``lengths`` has one entry per
-    prompt both answered. ``{"4096": {"prompts", "lost", "gained", "p", "verdict"}, ..., "pooled": {...}}``."""
+    prompt both answered. ``{"4096": {"prompts", "lost", "gained", "p", "verdict", "detectable_loss"}, ...,
+    "pooled": {...}}``; ``detectable_loss`` is the smallest loss (a fraction of prompts) that many prompts call worse
+    80% of the time with no chance flips (:func:`kvlab.power.detectable_loss`; ``None``: no loss is detectable)."""
+    from .power import detectable_loss
     from .results import mcnemar, verdict
 
     def row(ds, n):
         lost = sum(d["teacher_correct"] and not d["student_correct"] for d in ds)
         gained = sum(d["student_correct"] and not d["teacher_correct"] for d in ds)
-        return {"prompts": n, "lost": lost, "gained": gained, "p": mcnemar(lost, gained), "verdict": verdict(lost, gained)}
+        return {"prompts": n, "lost": lost, "gained": gained, "p": mcnemar(lost, gained), "verdict": verdict(lost, gained),
+                "detectable_loss": detectable_loss(n) if n else None}
 
     out = {str(n): row([d for d in disagreements if d["length"] == n], lengths.count(n)) for n in sorted(set(lengths))}
     if lengths:
@@ -763,6 +767,10 @@ def markdown(doc: dict) -> str:
             out += ("\n\nStudent against teacher, paired (−lost +gained, exact McNemar): " + "; ".join(
                 f"{'pooled' if n == 'pooled' else n + ' tokens'}: −{r['lost']} +{r['gained']} of {r['prompts']}, "
                 f"{r['verdict']} (p = {r['p']:.2g})" for n, r in pr.items()) + ".")
+            out += ("\n\nThe smallest loss these prompts detect 80% of the time (no chance flips; `kvlab.power`): " + "; ".join(
+                f"{'pooled' if n == 'pooled' else n + ' tokens'}: "
+                + (f"{r['detectable_loss']:.0%} of prompts" if r.get("detectable_loss") else "none (too few prompts)")
+                for n, r in pr.items()) + ". Run more prompts to rule out smaller losses.")
         if a:
             out += (f" Over {a['prompts']} prompts: top-k KL {a['mean_topk_kl']:.4f} nats, top-1 agreement "
                     f"{a['top1_agreement']:.0%}, identical greedy text {a['identical_greedy']}.")

@@ -205,6 +205,9 @@ def test_a_side_by_side_gives_the_paired_verdict_per_length_and_pooled():
     pr = E._paired(ds + [d(4096, False, True)], [512] * 25 + [4096] * 25)  # one gain: -7 +1, p = 0.07
     assert pr["pooled"]["gained"] == 1 and pr["pooled"]["verdict"] == "not distinguishable"
     assert E._paired([], []) == {}
+    # what each count of prompts could detect: 25 prompts catch a 30-point loss (P(Bin(25, 0.3) >= 6) = 0.81) and no
+    # smaller step; 5 prompts can never reach p < 0.05
+    assert pr["512"]["detectable_loss"] == 0.3 and E._paired([], [512] * 5)["512"]["detectable_loss"] is None
 
 
 @pytest.mark.slow
@@ -225,7 +228,9 @@ def test_side_by_side_end_to_end(servers, tmp_path, capsys):
     assert len(doc["disagreements"]) == sum(1 for r in res[b.url].rows for _ in range(r["trials"] - r["correct"]))
     pr = doc["paired"]  # the book's rule on the two servers: every disagreement here is a loss
     assert pr["256"] == pr["pooled"] and pr["256"]["prompts"] == 3 and pr["256"]["lost"] == len(doc["disagreements"])
-    assert "Student against teacher, paired" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Student against teacher, paired" in printed
+    assert "detect 80% of the time" in printed and "256 tokens: none (too few prompts)" in printed  # 3 prompts
     journal = tmp_path / "side.requests.jsonl"
     assert len(journal.read_text().splitlines()) == 6
     # an interrupted run resumes: drop one answer, and only that request is sent again
