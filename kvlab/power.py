@@ -80,11 +80,18 @@ def _log_pmf(k: int, n: int, p: float) -> float:
             + k * math.log(p) + (n - k) * math.log1p(-p))
 
 
-def _tail(m: int, k: int, q: float) -> float:
-    """P(B >= k) for B ~ Binomial(m, q)."""
-    if k > m:
-        return 0.0
-    return min(1.0, sum(math.exp(_log_pmf(b, m, q)) for b in range(k, m + 1)))
+_TAILS: dict[tuple[float, float], list[float]] = {}  # (q, alpha) -> reject[m], grown on demand
+
+
+def _reject(m: int, q: float, alpha: float) -> float:
+    """The chance that ``m`` discordant prompts, each a loss with probability ``q``, hold enough losses for the
+    test to call the format worse: P(B >= k[m]) for B ~ Binomial(m, q). Cached, so a scan over sizes is cheap."""
+    ts = _TAILS.setdefault((q, alpha), [])
+    while len(ts) <= m:
+        n = len(ts)
+        k = _threshold(n, alpha)
+        ts.append(0.0 if k > n else min(1.0, sum(math.exp(_log_pmf(b, n, q)) for b in range(k, n + 1))))
+    return ts[m]
 
 
 def power(prompts: int, loss: float, flips: float = 0.0, alpha: float = ALPHA) -> float:
@@ -103,7 +110,7 @@ def power(prompts: int, loss: float, flips: float = 0.0, alpha: float = ALPHA) -
     for m in range(n + 1):
         w = math.exp(_log_pmf(m, n, pd))
         if w > 0:
-            total += w * _tail(m, _threshold(m, alpha), q)
+            total += w * _reject(m, q, alpha)
     return min(1.0, total)
 
 
