@@ -79,9 +79,8 @@ book: $(STAMP)
 	$(BIN)/python -m kvlab.book build/book
 
 # Unit tests, the loopback servers, and every chapter executed once (into the book, whose pages a browser checks).
-# Two workers, a test file each at a time (pytest-xdist): the book's execution runs beside the unit tests.
 test: $(STAMP) browser-deps lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # Regenerate shipped data (see README): the corpus, then the model (about an hour on 2 CPU cores).
 data: $(STAMP)

@@ -1636,6 +1636,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
     l4 = B.get_gpu(CH5_GPU)
     b, f8, i4 = split["bf16"], split["fp8_e4m3"], split["int4"]
     gain = {n: r["saving_shared"] - r["saving_unshared"] for n, r in split.items()}
+    own_drop = {n: 1 - r["usd_shared"] / r["usd_unshared"] for n, r in split.items()}  # what sharing saves each format
     usd = {n: (b["usd_unshared"] - r["usd_unshared"], b["usd_shared"] - r["usd_shared"]) for n, r in split.items()}
     int4_exact, int4_near = int4_engines()
 
@@ -1676,6 +1677,7 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "ws": ws, "ceiling": ceiling, "ws_gap_points": 100 * min(ceiling - y for y in at_reused.values()),
         "fp8_blocks_x": blocks["fp8_e4m3"] / blocks["bf16"], "int4_blocks_x": blocks["int4"] / blocks["bf16"],
         "b": b, "f8": f8, "i4": i4, "gain_f8": 100 * gain["fp8_e4m3"], "gain_i4": 100 * gain["int4"],
+        "own_drop": {"b": own_drop["bf16"], "f8": own_drop["fp8_e4m3"], "i4": own_drop["int4"]},
         "usd_f8": usd["fp8_e4m3"], "usd_i4": usd["int4"], "int4_engines": ", ".join(int4_exact), "int4_near": ", ".join(int4_near),
         "ppl": ppl, "int4_labels": {f: needle[f] for f in int4_rows},
         # to admit an INT4 row on perplexity alone, the limit must pass its larger increase of the two models
@@ -1738,6 +1740,8 @@ def prefix_cache(requests=None, sweeps: dict | None = None) -> Facts:
         "the no-hit saving is the larger part":
             _claim(f8["saving_unshared"] > gain["fp8_e4m3"] and i4["saving_unshared"] > gain["int4"]),
         "sharing cuts BF16's own cost": _claim(b["usd_shared"] < b["usd_unshared"]),
+        "as a share of its own cost, sharing saves each smaller format more than BF16":
+            _claim(own_drop["int4"] > own_drop["fp8_e4m3"] > own_drop["bf16"], own_drop),
         "in dollars the saving does not grow with sharing":
             _claim(all(usd[n][1] <= usd[n][0] + 1e-9 for n in ["fp8_e4m3", "int4"]), usd),
         "SGLang lists no integer INT4 cache; LMDeploy and llama.cpp store kvlab's INT4 presets; vLLM's is only near one":
