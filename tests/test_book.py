@@ -186,7 +186,8 @@ def test_the_book_shows_every_figure_in_a_browser(built_book):
                     const box = div.getBoundingClientRect();
                     return [...div.querySelectorAll('.g-xtitle, .g-ytitle, .gtitle')].filter(t => {
                         const r = t.getBoundingClientRect();
-                        return r.width && (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1);
+                        return r.width && (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1
+                                           || r.bottom > box.bottom + 1);
                     }).map(t => t.textContent.slice(0, 60)); })""")
                 assert not clipped, f"{page_name}: axis or figure titles clipped: {clipped}"
                 shots = out / "screenshots"
