@@ -35,3 +35,21 @@ def test_the_main_path_sections_hold_and_render_on_the_shipped_data():
         assert prose.render("04_where_int4_breaks", section, values).strip()
     card = ch4.card(F).splitlines()
     assert len(card) == 2 + len(ch4.CARD) and all(f"`{f}`" in "\n".join(card) for f in ch4.CARD)
+
+
+def test_the_start_page_states_what_the_chapters_found():
+    from kvlab.chapters import start_here
+
+    X = start_here.found()
+    assert X.failed() == {}
+    text = prose.render("00_start_here", "found", X)
+    assert len(text.split()) <= 300 and "What we found" in text
+    assert ("decode speed on a GPU" in text) == (not start_here.gpu_runs()), "the unmeasured list follows the data"
+
+
+def test_gpu_runs_are_the_gpu_check_files(tmp_path):
+    from kvlab.chapters import start_here
+
+    (tmp_path / "gpu_H100_2026-12-01.json").write_text("{}")
+    (tmp_path / "decode_cpu.json").write_text("{}")
+    assert [p.name for p in start_here.gpu_runs(tmp_path)] == ["gpu_H100_2026-12-01.json"]
