@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .claim import holds
+
 
 @dataclass
 class Feedback:
@@ -325,7 +327,7 @@ def claims(checks: dict[str, object], *, show: bool = False) -> None:
     for claim, value in checks.items():
         truth, detail = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
         try:
-            ok = bool(truth)
+            ok = holds(truth)
         except (TypeError, RuntimeError, ValueError) as e:  # e.g. a tensor of many elements
             raise ValueError(f"claim {claim!r}: its value must be true or false, got {type(truth).__name__}") from e
         if not ok:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from .claim import holds  # a NaN claim never holds
 from .decide import pct as _pct
 from .decide import per_model, risk_models, short_model_name, short_needle
 from .results import PPL_TOLERANCE
@@ -29,7 +30,7 @@ class Facts(dict):
     def __init__(self, values: dict, claims: dict[str, tuple[bool, object] | bool]):
         super().__init__(values)
         # a claim is (holds, evidence), or a bare truth value where the sentence is its own evidence
-        self.claims = {c: (bool(v[0]), v[1]) if isinstance(v, tuple) else (bool(v), None) for c, v in claims.items()}
+        self.claims = {c: (holds(v[0]), v[1]) if isinstance(v, tuple) else (holds(v), None) for c, v in claims.items()}
 
     def failed(self) -> dict[str, object]:
         """``{claim: evidence}`` for every claim the data no longer support."""

@@ -122,3 +122,17 @@ def test_quiz_snapshot_shows_each_option_with_its_feedback():
 
     q = MultipleChoice("which?", {"right one": "Yes, because.", "wrong one": "No, because."}, answer="right one")
     assert "<summary>wrong one</summary><p>No, because.</p>" in q.snapshot_html()
+
+
+def test_a_nan_claim_does_not_hold():
+    """bool(nan) is True in Python: a claim whose value became NaN (a ratio of empty counts) must fail, not pass."""
+    import math
+
+    from kvlab.check import claims
+    from kvlab.facts import Facts
+
+    for bad in (float("nan"), math.inf, -math.inf):
+        with pytest.raises(AssertionError, match="ratio"):
+            claims({"the ratio is positive": bad})
+        assert Facts({}, {"the ratio is positive": (bad, 0)}).failed() == {"the ratio is positive": 0}
+    claims({"a number that is not NaN holds as before": 0.5})
