@@ -45,6 +45,32 @@ DEFAULT_RESERVE_GIB = 3.05
 # the same model on two H100s in that PR logged non-torch 3.58 GiB + activation peak 1.26 GiB on each GPU: a reserve
 # grows with tensor parallelism (NCCL buffers). By tensor-parallel size; a size not listed takes the largest below it.
 TP_RESERVE_GIB = {1: DEFAULT_RESERVE_GIB, 2: 3.58 + 1.26}
+RESERVE_SOURCE = "vLLM's start-up log of Llama-3-8B on {tp} H100 (vllm PR #10511: non-torch memory + activation peak)"
+VLLM_BLOCK_SIZE = 16  # tokens a paged block holds in vLLM by default on CUDA
+
+
+def default_reserve(tp: int = 1) -> tuple[float, str]:
+    """``(GiB, where it comes from)``: the reserve logged at this tensor-parallel size, or the largest size below it
+    (a reserve grows with TP: NCCL buffers). Logged for an 8B model; a larger model's activation peak is larger,
+    so pass your own engine's figure (``reserve_gib=``, ``kvlab budget --reserve-gib``) where you have one."""
+    tp = _positive_int("tp", tp)
+    logged = max(n for n in TP_RESERVE_GIB if n <= tp)
+    return TP_RESERVE_GIB[logged], RESERVE_SOURCE.format(tp=logged)
+
+
+def blocks(model, kv_format, free_bytes: int, context: int, *, tp: int = 1, block_size: int = VLLM_BLOCK_SIZE) -> dict:
+    """How a paged engine splits ``free_bytes`` of one GPU into blocks of ``block_size`` tokens:
+    ``{"block_bytes", "blocks", "tokens", "blocks_per_sequence", "max_concurrency"}``, the last counted in whole
+    blocks (a sequence of ``context`` tokens takes ``ceil(context / block_size)`` of them), as vLLM's start-up log
+    counts "# GPU blocks" and "Maximum concurrency"."""
+    free_bytes = _positive_int("free_bytes", free_bytes, zero_ok=True)
+    context, block_size = _positive_int("context", context), _positive_int("block_size", block_size)
+    block_bytes = budget(model, 1, block_size, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu
+    n = free_bytes // max(block_bytes, 1)
+    per_seq = budget(model, 1, context, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu
+    per_seq_blocks = max(1, math.ceil(per_seq / max(block_bytes, 1)))
+    return {"block_bytes": block_bytes, "blocks": n, "tokens": n * block_size, "blocks_per_sequence": per_seq_blocks,
+            "max_concurrency": n // per_seq_blocks}
 # bits per weight, scales included as they are for the cache: INT4 weights carry an fp16 scale and zero per 128
 # (AWQ / GPTQ-style groups: 4 + 32/128); FP8 and INT8 scales are per tensor or channel (negligible). Every weight is
 # counted at this width; checkpoints that keep the embeddings and output layer in BF16 are a little larger.
@@ -580,13 +606,14 @@ def max_concurrency(model, context: int, kv_format="bf16", gpu="H100-80GB", weig
 
 
 def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
-                tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1, limit: int = 1 << 24) -> int:
+                tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1, limit: int = 1 << 24,
+                reserve_gib: float = DEFAULT_RESERVE_GIB) -> int:
     """Longest context (tokens) at which ``batch`` sequences fit; capped at ``limit``.
 
     Windowed layers stop growing, so a model of only windowed layers can reach
     ``limit``. Not capped at ``max_position_embeddings``: compare it yourself.
     """
-    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization)
+    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization, reserve_gib=reserve_gib)
     if f.free_for_cache_per_gpu <= 0:
         return 0
 

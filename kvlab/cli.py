@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -187,6 +188,13 @@ def _fraction(text):
     return v
 
 
+def _reserve_gib(text):
+    s, v = _read_number(text, "a number of GiB", float)
+    if not (math.isfinite(v) and 0 <= v <= 1e6):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB from 0 to 1e6, got {s}")
+    return v
+
+
 def model_flag(text):
     """A model name or path: not empty (an empty one would mean the default only by accident)."""
     if not text.strip():
@@ -233,13 +241,22 @@ def cmd_budget(args) -> int:
             ),
         }
         if args.gpu:
-            f = B.fit(args.model, args.gpu, args.weights_dtype, tp=args.tp, memory_utilization=args.memory_utilization)
-            kw = dict(tp=args.tp, memory_utilization=args.memory_utilization, block_size=args.block_size)
+            reserve, source = B.default_reserve(args.tp)
+            if args.reserve_gib is not None:
+                reserve, source = args.reserve_gib, "--reserve-gib"
+            f = B.fit(args.model, args.gpu, args.weights_dtype, tp=args.tp, memory_utilization=args.memory_utilization,
+                      reserve_gib=reserve)
+            kw = dict(tp=args.tp, memory_utilization=args.memory_utilization, block_size=args.block_size,
+                      reserve_gib=reserve)
+            paged = B.blocks(args.model, b.kv_format, max(0, f.free_for_cache_per_gpu), args.context, tp=args.tp,
+                             block_size=args.block_size)
             out.update(
                 gpu=f.gpu, weights_dtype=args.weights_dtype, weights_bytes_per_gpu=f.weights_bytes_per_gpu,
-                usable_bytes_per_gpu=f.usable_bytes_per_gpu, free_bytes_per_gpu=max(0, f.free_for_cache_per_gpu),
+                usable_bytes_per_gpu=f.usable_bytes_per_gpu, reserve_gib=reserve, reserve_from=source,
+                free_bytes_per_gpu=max(0, f.free_for_cache_per_gpu),
+                blocks_per_gpu=paged["blocks"], tokens_in_blocks=paged["tokens"],
                 fits=f.weights_fit and b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu,
-                max_concurrency=B.max_concurrency(args.model, args.context, b.kv_format, f.gpu, args.weights_dtype, **kw),
+                max_concurrency=paged["max_concurrency"],
                 max_context=B.max_context(args.model, args.batch, b.kv_format, f.gpu, args.weights_dtype, **kw),
             )
             if f.free_for_cache_per_gpu < 0:  # say how far weights + reserve overflow, never a negative free size
@@ -730,7 +747,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("budget", help="cache bytes for a model, batch, context and KV format",
                        description="Cache bytes for a model, batch, context and KV format. With --gpu it also says "
-                                   "whether they fit, max_concurrency (sequences of --context tokens that fit) and "
+                                   "the engine's reserve it took (--reserve-gib, and where its default comes from), the "
+                                   "paged blocks the rest makes (--block-size tokens each) and the tokens they hold, "
+                                   "whether they fit, max_concurrency (sequences of --context tokens that fit in whole "
+                                   "blocks) and "
                                    "max_context (the longest context --batch sequences can hold in memory: a memory "
                                    "limit, which can exceed the model's own window).")
     b.add_argument("--model", required=True, type=model_flag, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))
@@ -740,7 +760,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gpu", help="GPU preset ({})".format(", ".join(B.gpus())))
     b.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
     b.add_argument("--tp", default=1, type=int_flag(1, 1024), help="tensor-parallel ranks")
-    b.add_argument("--block-size", default=1, type=int_flag(1, 2**20), help="paged-cache block size in tokens")
+    b.add_argument("--block-size", default=B.VLLM_BLOCK_SIZE, type=int_flag(1, 2**20),
+                   help="paged-cache block size in tokens (default 16, vLLM's): sequences take whole blocks")
+    b.add_argument("--reserve-gib", default=None, type=_reserve_gib,
+                   help="GiB the engine keeps for itself on each GPU (activation peak, CUDA graphs, NCCL): read it from "
+                        "your engine's log; default by --tp as vLLM logged it for Llama-3-8B on H100s "
+                        "(3.05 GiB at TP 1, 4.84 at TP 2 and up)")
     b.add_argument("--memory-utilization", default=0.9, type=_fraction, help="fraction of GPU memory usable")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_budget)

@@ -574,3 +574,43 @@ def test_bits_held_counts_scales_and_kivis_residual():
         assert B.bits_held("llama-3.1-8b", 1 << 16, fmt) == pytest.approx(get_format(fmt).bits_per_element(128), rel=0.01)
     # 512 tokens, 128 of them in KIVI's 16-bit residual: a quarter of the elements at 16 bits
     assert B.bits_held("llama-3.1-8b", 512, "kivi-4") > get_format("kivi-4").bits_per_element(128) + 2
+
+
+def test_the_default_reserve_is_the_one_logged_at_that_tensor_parallel_size():
+    assert B.default_reserve(1) == (3.05, B.RESERVE_SOURCE.format(tp=1))
+    gib, source = B.default_reserve(8)  # no log at 8 ranks: the largest logged size below it, and it says which
+    assert gib == pytest.approx(3.58 + 1.26) and "on 2 H100" in source and "#10511" in source
+
+
+def test_blocks_are_whole_blocks_as_vllm_counts_them():
+    # Llama-3.1-8B in BF16: 32 layers x (K and V) x 8 KV heads x 128 dims x 2 bytes = 131,072 bytes a token
+    p = B.blocks("llama-3.1-8b", "bf16", 10 * 2**30 + 123, 1000, block_size=16)
+    assert p["block_bytes"] == 16 * 131_072 and p["blocks"] == 5120 and p["tokens"] == 5120 * 16
+    assert p["blocks_per_sequence"] == 63 and p["max_concurrency"] == 5120 // 63  # 1000 tokens take 63 blocks
+    assert B.blocks("llama-3.1-8b", "bf16", 0, 1000)["max_concurrency"] == 0
+    with pytest.raises(ValueError, match="block_size"):
+        B.blocks("llama-3.1-8b", "bf16", 1, 1000, block_size=0)
+
+
+def test_budget_cli_prints_the_reserve_it_took_and_the_blocks(capsys):
+    import json
+
+    from kvlab.cli import main
+
+    argv = ["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "1000", "--gpu", "H100-80GB", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["reserve_gib"] == 3.05 and "#10511" in out["reserve_from"]
+    assert out["blocks_per_gpu"] == out["free_bytes_per_gpu"] // (16 * 131_072)
+    assert out["tokens_in_blocks"] == 16 * out["blocks_per_gpu"] and out["max_concurrency"] == out["blocks_per_gpu"] // 63
+    assert main(argv + ["--reserve-gib", "10"]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert mine["reserve_from"] == "--reserve-gib" and mine["reserve_gib"] == 10
+    assert out["free_bytes_per_gpu"] - mine["free_bytes_per_gpu"] == pytest.approx((10 - 3.05) * 2**30, abs=2)
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--reserve-gib", bad])
+        assert e.value.code == 2 and "argument --reserve-gib" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["budget", "--help"])
+    assert "--reserve-gib" in capsys.readouterr().out

@@ -16,7 +16,7 @@ def test_json_output(capsys):
     assert main(["budget", "--model", "llama-3.1-8b", "--batch", "2", "--context", "1000", "--kv-dtype", "int4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bytes_per_token"] == 32 * 2 * 8 * 128 * 9 // 16
-    assert out["cache_bytes"] == 2 * 1000 * out["bytes_per_token"]
+    assert out["block_size"] == 16 and out["cache_bytes"] == 2 * 1008 * out["bytes_per_token"]  # 63 whole blocks
     assert isinstance(out["cache_bytes"], int) and isinstance(out["bytes_per_token"], int)
 
 
