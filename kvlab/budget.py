@@ -72,8 +72,8 @@ def blocks(model, kv_format, free_bytes: int, context: int, *, tp: int = 1, bloc
     return {"block_bytes": block_bytes, "blocks": n, "tokens": n * block_size, "blocks_per_sequence": per_seq_blocks,
             "max_concurrency": n // per_seq_blocks}
 # bits per weight, scales included as they are for the cache: INT4 weights carry an fp16 scale and zero per 128
-# (AWQ / GPTQ-style groups: 4 + 32/128); FP8 and INT8 scales are per tensor or channel (negligible). Every weight is
-# counted at this width; checkpoints that keep the embeddings and output layer in BF16 are a little larger.
+# (AWQ / GPTQ-style groups: 4 + 32/128); FP8 and INT8 scales are per tensor or channel (negligible). Below 16
+# bits the embedding and the output layer stay in 16-bit, as quantized checkpoints keep them (weights_bytes).
 WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4.25}
 
 
@@ -97,6 +97,7 @@ class ModelShape:
     source: str = ""
     q_heads: int = 0
     extras: dict = field(default_factory=dict, compare=False)
+    embedding_parameters: int = 0  # the input embedding and the LM head (once when tied): 16-bit in quantized checkpoints
 
     @property
     def num_layers(self) -> int:
@@ -221,7 +222,16 @@ def _load_shape(model) -> ModelShape:
     shape = shape_from_config(cfg, name=name)
     n_params = n_params or estimate_parameters(cfg)
     return ModelShape(shape.name, shape.layers, n_params, shape.max_position_embeddings, shape.attention, source,
-                      q_heads=shape.q_heads)
+                      q_heads=shape.q_heads, embedding_parameters=embedding_parameters(cfg))
+
+
+def embedding_parameters(cfg) -> int:
+    """Parameters of the input embedding and the LM head, ``vocab_size x hidden_size`` each (one matrix when
+    ``tie_word_embeddings``); 0 when the config does not state both sizes."""
+    vocab, hidden = getattr(cfg, "vocab_size", None), getattr(cfg, "hidden_size", None)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 10**7 for x in (vocab, hidden)):
+        return 0
+    return vocab * hidden * (1 if getattr(cfg, "tie_word_embeddings", False) is True else 2)
 
 
 MAX_CONFIG_BYTES = 16 << 20
@@ -552,14 +562,22 @@ MIN_HOURLY_USD = 1e-3  # a tenth of a cent: below any rental price, and above wh
 
 
 def weights_bytes(model, weights_dtype: str = "bf16") -> int:
-    """Bytes of the model's weights in ``weights_dtype``, every weight at :data:`WEIGHT_BITS` (INT4's group
-    scales included)."""
+    """Bytes of the model's weights in ``weights_dtype``, at :data:`WEIGHT_BITS` (INT4's group scales included).
+
+    Below 16 bits the embedding and the LM head stay in 16-bit, as W8A8, FP8, AWQ and GPTQ checkpoints keep them
+    (a tied pair counted once): for Llama-3.1-70B in FP8 that is 2 x 128,256 x 8,192 parameters at 2 bytes, about
+    2 GiB more than counting every weight at 8 bits. ``kvlab budget --weights-gib`` takes your engine's own figure.
+    """
     if not isinstance(weights_dtype, str) or weights_dtype not in WEIGHT_BITS:
         raise ValueError(f"weights dtype must be one of {', '.join(WEIGHT_BITS)}, got {weights_dtype!r}")
     shape = load_shape(model)
     if not shape.num_parameters:
         raise ValueError(f"model {shape.name!r} has no parameter count; cannot size its weights")
-    return math.ceil(shape.num_parameters * WEIGHT_BITS[weights_dtype] / 8)
+    bits = WEIGHT_BITS[weights_dtype]
+    if bits >= 16:
+        return math.ceil(shape.num_parameters * bits / 8)
+    kept = min(shape.embedding_parameters, shape.num_parameters)  # 16-bit in quantized checkpoints
+    return math.ceil((shape.num_parameters - kept) * bits / 8) + 2 * kept
 
 
 @dataclass(frozen=True)
@@ -574,20 +592,23 @@ class Fit:
 
 
 def fit(model, gpu, weights_dtype="bf16", *, tp: int = 1, memory_utilization: float = 0.9,
-        reserve_gib: float = DEFAULT_RESERVE_GIB) -> Fit:
+        reserve_gib: float = DEFAULT_RESERVE_GIB, weights_gib: float | None = None) -> Fit:
     """How much of each GPU is left for the cache once the weights are loaded.
 
     ``memory_utilization`` follows vLLM's ``--gpu-memory-utilization`` (the fraction of memory the
     engine may use). Out of it come the weights, split evenly over ``tp`` ranks, and ``reserve_gib``:
     what the engine keeps for itself (its profiled activation peak and memory torch does not manage;
-    3.05 GiB by default, as vLLM logged for Llama-3-8B on an H100, vllm PR#10511).
+    3.05 GiB by default, as vLLM logged for Llama-3-8B on an H100, vllm PR#10511). ``weights_gib``, when given,
+    is the weights' size on each GPU as your engine logged it ("Model loading took ... GiB"), used instead of
+    :func:`weights_bytes`.
     """
     memory_utilization = _fraction("memory_utilization", memory_utilization)
     reserve_gib = _gib("reserve_gib", reserve_gib)
     tp = _positive_int("tp", tp)
     g = get_gpu(gpu)
     _check_tp(load_shape(model), tp)
-    w = math.ceil(weights_bytes(model, weights_dtype) / tp)
+    w = math.ceil(weights_bytes(model, weights_dtype) / tp) if weights_gib is None else \
+        int(_gib("weights_gib", weights_gib) * GIB)
     usable = int(g.memory_bytes * memory_utilization)
     reserve = int(reserve_gib * GIB)
     return Fit(g.name, tp, w, usable, usable - w - reserve, w + reserve <= usable, reserve)
@@ -607,13 +628,14 @@ def max_concurrency(model, context: int, kv_format="bf16", gpu="H100-80GB", weig
 
 def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *,
                 tp: int = 1, memory_utilization: float = 0.9, block_size: int = 1, limit: int = 1 << 24,
-                reserve_gib: float = DEFAULT_RESERVE_GIB) -> int:
+                reserve_gib: float = DEFAULT_RESERVE_GIB, weights_gib: float | None = None) -> int:
     """Longest context (tokens) at which ``batch`` sequences fit; capped at ``limit``.
 
     Windowed layers stop growing, so a model of only windowed layers can reach
     ``limit``. Not capped at ``max_position_embeddings``: compare it yourself.
     """
-    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization, reserve_gib=reserve_gib)
+    f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization, reserve_gib=reserve_gib,
+            weights_gib=weights_gib)
     if f.free_for_cache_per_gpu <= 0:
         return 0
 

@@ -220,7 +220,8 @@ def _human(n: float) -> str:
 def cmd_budget(args) -> int:
     if args.gpu is None:  # these only size the GPU's share: without --gpu they would be silently ignored
         for flag, value, default in (("--memory-utilization", args.memory_utilization, 0.9),
-                                     ("--weights-dtype", args.weights_dtype, "bf16")):
+                                     ("--weights-dtype", args.weights_dtype, "bf16"),
+                                     ("--reserve-gib", args.reserve_gib, None), ("--weights-gib", args.weights_gib, None)):
             if value != default:
                 print(f"kvlab: error: {flag} needs --gpu (it sizes what is left for the cache on one)", file=sys.stderr)
                 return 2
@@ -245,9 +246,9 @@ def cmd_budget(args) -> int:
             if args.reserve_gib is not None:
                 reserve, source = args.reserve_gib, "--reserve-gib"
             f = B.fit(args.model, args.gpu, args.weights_dtype, tp=args.tp, memory_utilization=args.memory_utilization,
-                      reserve_gib=reserve)
+                      reserve_gib=reserve, weights_gib=args.weights_gib)
             kw = dict(tp=args.tp, memory_utilization=args.memory_utilization, block_size=args.block_size,
-                      reserve_gib=reserve)
+                      reserve_gib=reserve, weights_gib=args.weights_gib)
             paged = B.blocks(args.model, b.kv_format, max(0, f.free_for_cache_per_gpu), args.context, tp=args.tp,
                              block_size=args.block_size)
             out.update(
@@ -762,6 +763,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tp", default=1, type=int_flag(1, 1024), help="tensor-parallel ranks")
     b.add_argument("--block-size", default=B.VLLM_BLOCK_SIZE, type=int_flag(1, 2**20),
                    help="paged-cache block size in tokens (default 16, vLLM's): sequences take whole blocks")
+    b.add_argument("--weights-gib", default=None, type=_reserve_gib,
+                   help="the weights' GiB on each GPU as your engine logged them (default: counted from --weights-dtype, "
+                        "with the embedding and LM head in 16-bit below 16 bits, as quantized checkpoints keep them)")
     b.add_argument("--reserve-gib", default=None, type=_reserve_gib,
                    help="GiB the engine keeps for itself on each GPU (activation peak, CUDA graphs, NCCL): read it from "
                         "your engine's log; default by --tp as vLLM logged it for Llama-3-8B on H100s "

@@ -614,3 +614,31 @@ def test_budget_cli_prints_the_reserve_it_took_and_the_blocks(capsys):
     with pytest.raises(SystemExit):
         main(["budget", "--help"])
     assert "--reserve-gib" in capsys.readouterr().out
+
+
+def test_quantized_weights_keep_the_embedding_and_lm_head_in_16_bit():
+    # Llama-3.1-70B: 70,553,706,496 parameters, of which 2 x 128,256 x 8,192 are the (untied) embedding and LM head
+    embed = 2 * 128_256 * 8_192
+    assert B.load_shape("llama-3.1-70b").embedding_parameters == embed
+    assert B.weights_bytes("llama-3.1-70b", "fp8") == (70_553_706_496 - embed) + 2 * embed  # ~67.7 GiB, as logged
+    assert B.weights_bytes("llama-3.1-70b", "bf16") == 2 * 70_553_706_496
+    tied = type("Config", (), {"vocab_size": 10, "hidden_size": 4, "tie_word_embeddings": True})
+    assert B.embedding_parameters(tied) == 40 and B.embedding_parameters(object()) == 0
+    f = B.fit("llama-3.1-70b", "H100-80GB", "fp8", weights_gib=67.7)
+    assert f.weights_bytes_per_gpu == int(67.7 * 2**30)
+    with pytest.raises(ValueError, match="weights_gib"):
+        B.fit("llama-3.1-70b", "H100-80GB", "fp8", weights_gib=float("nan"))
+
+
+def test_budget_cli_takes_the_engines_weights(capsys):
+    import json
+
+    from kvlab.cli import main
+
+    argv = ["budget", "--model", "llama-3.1-70b", "--batch", "1", "--context", "2048", "--gpu", "H100-80GB",
+            "--weights-dtype", "fp8", "--memory-utilization", "0.98", "--json"]
+    assert main(argv + ["--weights-gib", "67.7"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights_bytes_per_gpu"] == int(67.7 * 2**30)
+    assert main(["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--weights-gib", "3"]) == 2
+    assert "--weights-gib needs --gpu" in capsys.readouterr().err
