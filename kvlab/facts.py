@@ -1878,7 +1878,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     describe it.
     """
     from . import budget as B
-    from . import decide
+    from . import decide, power
     from .formats import engine_nearest, engine_options, engines_offering, get_format
     from .results import (
         LONG_SWEEPS,
@@ -2029,6 +2029,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
         # ... an average over lengths: the call's own cell at the context served, on the model measured there
         "eval_per_length": len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS,
+        # what the printed comparison can see (kvlab.power: exact McNemar, 80% power, no chance flips: its best case)
+        "detect_len": power.detectable_loss(len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS),
+        "need_10": power.prompts_needed(0.10),
         # the bar is a choice: the shortlist at looser bars, and with none at all
         "bar_shortlists": {bar: decide.shortlist(rows, max_ppl=bar) for bar in CH6_OTHER_BARS},
         "call_at_context_md": (f"at {_k(context)} on {short_model_name(gemma['name'])}, in the filler haystack, it lost {c['lost']} and gained "
@@ -2179,6 +2182,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "chapter 4 measured Gemma up to the context asked about": _claim(values["covers_context"], gemma["longest"]),
         "on Gemma FP8 and INT8 were never worse than full precision": _claim({"fp8_e4m3", "int8"} <= set(gemma["never"])),
         "on Gemma per-token INT4 was already worse at the shortest length": _claim("int4_token" in gemma["short"]),
+        "one length of the comparison misses losses under a tenth of its prompts, at best":
+            _claim(values["detect_len"] > 0.10 and values["need_10"] > values["eval_per_length"],
+                   (values["detect_len"], values["need_10"])),
         "at 50 prompts a length the 95% interval is about ±13 points": _claim(12 < values["half_width"] < 14
                                                                              and CH6_LADDER_PROMPTS == values["eval_per_length"], (lo, hi)),
         "at one 4k sequence INT4 speeds a step up by less than 10%": _claim(values["short1_speedup"] < 1.1, short1),
