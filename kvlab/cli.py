@@ -260,6 +260,12 @@ def cmd_budget(args) -> int:
                 max_concurrency=paged["max_concurrency"],
                 max_context=B.max_context(args.model, args.batch, b.kv_format, f.gpu, args.weights_dtype, **kw),
             )
+            if f.weights_fit:  # roofline predictions (kvlab.decide.latency): no GPU measured them
+                from .decide import latency
+
+                lat = latency(args.model, args.context, b.kv_format, f.gpu, args.weights_dtype, batch=args.batch,
+                              tp=args.tp)
+                out.update(predicted_ttft_ms=round(lat["ttft_s"] * 1e3, 1), predicted_tpot_ms=round(lat["tpot_s"] * 1e3, 2))
             if f.free_for_cache_per_gpu < 0:  # say how far weights + reserve overflow, never a negative free size
                 out["reserve_bytes_per_gpu"] = f.reserve_bytes_per_gpu
                 out["weights_and_reserve_over_by_bytes"] = -f.free_for_cache_per_gpu
@@ -751,7 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the engine's reserve it took (--reserve-gib, and where its default comes from), the "
                                    "paged blocks the rest makes (--block-size tokens each) and the tokens they hold, "
                                    "whether they fit, max_concurrency (sequences of --context tokens that fit in whole "
-                                   "blocks) and "
+                                   "blocks), the roofline's predicted time to first token and per output token at "
+                                   "--batch (predictions, not measurements) and "
                                    "max_context (the longest context --batch sequences can hold in memory: a memory "
                                    "limit, which can exceed the model's own window).")
     b.add_argument("--model", required=True, type=model_flag, help="preset name ({}) or a config.json path".format(", ".join(B.preset_names())))

@@ -65,6 +65,28 @@ def step_time(model, batch: int, context: int, kv_format="bf16", gpu="H100-80GB"
     return StepTime(w, cache, flops, t, bound)
 
 
+def latency(model, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *, batch: int = 1,
+            tp: int = 1, mbu: float = MBU, mfu: float = MFU) -> dict:
+    """Predicted time to first token and time per output token, from the roofline (model predictions until a GPU
+    measures them): ``{"ttft_s", "ttft_bound", "tpot_s", "tpot_bound"}``.
+
+    TTFT is the prefill of one ``context``-token prompt alone on the GPU: 2 FLOPs per parameter per token plus
+    causal attention's 2 x context^2 x head_dim per query head and layer, at ``mfu`` x peak FLOP/s, or the weights
+    and the cache it writes read at ``mbu`` x peak bandwidth if that is slower (it rarely is). TPOT is one decode step
+    with ``batch`` sequences of ``context`` tokens (:func:`step_time`): bandwidth-bound, so it is where a smaller
+    cache shows. Queueing, scheduling and tensor-parallel communication are not counted.
+    """
+    context, batch = B._positive_int("context", context), B._positive_int("batch", batch)
+    g, shape = B.get_gpu(gpu), B.load_shape(model)
+    layer = next((x for x in shape.layers if x.kv_heads), shape.layers[0])
+    attn = 2 * context * context * (layer.head_dim or layer.latent_dim) * max(shape.q_heads, 1) * shape.num_layers
+    flops = (2 * shape.num_parameters * context + attn) / tp
+    nbytes = B.weights_bytes(model, weights_dtype) / tp + B.budget(model, 1, context, kv_format, tp=tp).cache_bytes_per_gpu
+    ttft, ttft_bound = step_seconds(nbytes, flops, g.bandwidth_bytes_per_s, g.peak_bf16_flops, mbu=mbu, mfu=mfu)
+    step = step_time(model, batch, context, kv_format, gpu, weights_dtype, tp=tp, mbu=mbu, mfu=mfu)
+    return {"ttft_s": ttft, "ttft_bound": ttft_bound, "tpot_s": step.seconds, "tpot_bound": step.bound}
+
+
 TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes within one 8-GPU node
 
 

@@ -1914,6 +1914,9 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
     short1 = {f: decide.step_time(model, 1, 4096, f, gpu, weights).seconds for f in ("bf16", "int4")}
     # the reserve vLLM logged, growing with tensor parallelism (decide.plan's default)
     plans = {f: decide.plan(model, gpu, context, concurrency, f, weights_dtype=weights) for f in formats}
+    # latency beside throughput (roofline predictions): TTFT of one prompt, TPOT at 1, 8 and each plan's batch
+    lat = {f: {b: decide.latency(model, context, f, gpu, weights, batch=b, tp=pl["tp"])
+               for b in (1, 8, pl["batch_per_replica"])} for f, pl in plans.items() if pl}
     # the same with one reserve, the single GPU's, on every GPU: what a plan that ignores the growth would say
     plans_flat = {f: decide.plan(model, gpu, context, concurrency, f, weights_dtype=weights,
                                  reserve_gib=B.DEFAULT_RESERVE_GIB) for f in formats}
@@ -2029,6 +2032,10 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         # what "held" still allows the call to lose: its pooled single-needle prompts, one-sided 95% (exact)
         # ... an average over lengths: the call's own cell at the context served, on the model measured there
         "eval_per_length": len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS,
+        "latency_md": _latency_md(lat, plans), "lat": lat,
+        # the same arithmetic in every format: compare prefill at one tensor-parallel size
+        "ttft_spread": max(max(ts) / min(ts) - 1 for ts in [[v[1]["ttft_s"] for f, v in lat.items() if plans[f]["tp"] == t]
+                                                            for t in {pl["tp"] for pl in plans.values() if pl}] if ts),
         # what the printed comparison can see (kvlab.power: exact McNemar, 80% power, no chance flips: its best case)
         "detect_len": power.detectable_loss(len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS),
         "need_10": power.prompts_needed(0.10),
@@ -2182,6 +2189,16 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "chapter 4 measured Gemma up to the context asked about": _claim(values["covers_context"], gemma["longest"]),
         "on Gemma FP8 and INT8 were never worse than full precision": _claim({"fp8_e4m3", "int8"} <= set(gemma["never"])),
         "on Gemma per-token INT4 was already worse at the shortest length": _claim("int4_token" in gemma["short"]),
+        "at one tensor-parallel size prefill time barely depends on the cache format (within 1%)":
+            _claim(values["ttft_spread"] < 0.01,
+                                                                                values["ttft_spread"]),
+        "every plan's decode step is bandwidth-bound at its batch":
+            _claim(all(v[plans[f]["batch_per_replica"]]["tpot_bound"] == "memory" for f, v in lat.items()), None),
+        "at the planned batch a smaller cache decodes faster (INT4 < FP8 < BF16 per output token)":
+            _claim(all(f in lat for f in ("int4", "fp8_e4m3", "bf16")) and
+                   lat["int4"][plans["int4"]["batch_per_replica"]]["tpot_s"]
+                   < lat["fp8_e4m3"][plans["fp8_e4m3"]["batch_per_replica"]]["tpot_s"]
+                   < lat["bf16"][plans["bf16"]["batch_per_replica"]]["tpot_s"], None),
         "one length of the comparison misses losses under a tenth of its prompts, at best":
             _claim(values["detect_len"] > 0.10 and values["need_10"] > values["eval_per_length"],
                    (values["detect_len"], values["need_10"])),
@@ -2238,6 +2255,17 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(PPL_TOLERANCE > 5 * max(abs(min(noise)), abs(max(noise))), noise),
     }
     return Facts(values, claims)
+
+
+def _latency_md(lat: dict, plans: dict) -> str:
+    """Chapter 6's latency table: TTFT and TPOT (ms) per format, at batch 1, 8 and each plan's own batch."""
+    from .tables import markdown
+
+    rows = [[f"`{f}`", plans[f]["tp"], f"{v[1]['ttft_s'] * 1e3:,.0f}", f"{v[1]['tpot_s'] * 1e3:.1f}", f"{v[8]['tpot_s'] * 1e3:.1f}",
+             f"{v[plans[f]['batch_per_replica']]['tpot_s'] * 1e3:.1f} (batch {plans[f]['batch_per_replica']})"]
+            for f, v in lat.items()]
+    return markdown(["format", "TP", "time to first token (ms)", "per output token, batch 1", "batch 8",
+                     "at the plan's batch per replica"], rows, align="lrrrrr")
 
 
 def _layout(p: dict) -> str:

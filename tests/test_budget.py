@@ -601,6 +601,7 @@ def test_budget_cli_prints_the_reserve_it_took_and_the_blocks(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["reserve_gib"] == 3.05 and "#10511" in out["reserve_from"]
+    assert out["predicted_ttft_ms"] > 0 and out["predicted_tpot_ms"] > 0  # the roofline's, as kvlab.decide.latency
     assert out["blocks_per_gpu"] == out["free_bytes_per_gpu"] // (16 * 131_072)
     assert out["tokens_in_blocks"] == 16 * out["blocks_per_gpu"] and out["max_concurrency"] == out["blocks_per_gpu"] // 63
     assert main(argv + ["--reserve-gib", "10"]) == 0

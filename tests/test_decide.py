@@ -213,3 +213,21 @@ def test_the_comparison_reads_perplexity_and_needles_at_several_lengths_up_to_th
     lengths = [int(x) for x in re.search(r"--lengths ([\d,]+)", row["eval"])[1].split(",")]
     answer = int(re.search(r"--max-tokens (\d+)", row["eval"])[1])
     assert max(lengths) + answer <= 32768 < max(lengths) + answer + 64
+
+
+def test_latency_is_prefill_compute_and_decode_bandwidth():
+    """Llama-3.1-8B on an H100, oracle arithmetic written out: prefill FLOPs 2 x params x n + 2 x n^2 x 128 x 32 heads
+    x 32 layers at 50% of 989 TFLOP/s; decode reads the weights and the cache at 70% of 3.35 TB/s."""
+    import kvlab.budget as B
+    from kvlab.decide import latency
+
+    n, p = 4096, B.load_shape("llama-3.1-8b").num_parameters
+    lat = latency("llama-3.1-8b", n, "bf16", "H100-80GB", batch=1)
+    flops = 2 * p * n + 2 * n * n * 128 * 32 * 32
+    assert lat["ttft_bound"] == "compute" and lat["ttft_s"] == pytest.approx(flops / (B.get_gpu("H100-80GB").peak_bf16_flops * 0.5))
+    read = 2 * p + n * 32 * 2 * 8 * 128 * 2  # BF16 weights, then the cache: 32 layers x K,V x 8 heads x 128 x 2 B
+    assert lat["tpot_bound"] == "memory" and lat["tpot_s"] == pytest.approx(read / (B.get_gpu("H100-80GB").bandwidth_bytes_per_s * 0.7))
+    fp8 = latency("llama-3.1-8b", n, "fp8_e4m3", "H100-80GB", batch=8)
+    assert fp8["ttft_s"] == pytest.approx(lat["ttft_s"]) and fp8["tpot_s"] < latency("llama-3.1-8b", n, "bf16", "H100-80GB", batch=8)["tpot_s"]
+    with pytest.raises(ValueError, match="batch"):
+        latency("llama-3.1-8b", n, batch=0)
