@@ -65,10 +65,12 @@ def blocks(model, kv_format, free_bytes: int, context: int, *, tp: int = 1, bloc
     counts "# GPU blocks" and "Maximum concurrency"."""
     free_bytes = _positive_int("free_bytes", free_bytes, zero_ok=True)
     context, block_size = _positive_int("context", context), _positive_int("block_size", block_size)
-    block_bytes = budget(model, 1, block_size, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu
-    n = free_bytes // max(block_bytes, 1)
+    # a block's bytes are a sequence's bytes over its blocks: for a plain format exactly block_size tokens' worth;
+    # a format with a full-precision window (KIVI, hf-int4) spreads that window's cost over the sequence's blocks
+    per_seq_blocks = math.ceil(context / block_size)
     per_seq = budget(model, 1, context, kv_format, tp=tp, block_size=block_size).cache_bytes_per_gpu
-    per_seq_blocks = max(1, math.ceil(per_seq / max(block_bytes, 1)))
+    block_bytes = max(1, math.ceil(per_seq / per_seq_blocks))
+    n = free_bytes // block_bytes
     return {"block_bytes": block_bytes, "blocks": n, "tokens": n * block_size, "blocks_per_sequence": per_seq_blocks,
             "max_concurrency": n // per_seq_blocks}
 # bits per weight, scales included as they are for the cache: INT4 weights carry an fp16 scale and zero per 128
@@ -231,7 +233,8 @@ def embedding_parameters(cfg) -> int:
     vocab, hidden = getattr(cfg, "vocab_size", None), getattr(cfg, "hidden_size", None)
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 10**7 for x in (vocab, hidden)):
         return 0
-    return vocab * hidden * (1 if getattr(cfg, "tie_word_embeddings", False) is True else 2)
+    # tied unless the config says otherwise, as estimate_parameters counts them (one default for both)
+    return vocab * hidden * (1 if getattr(cfg, "tie_word_embeddings", True) is not False else 2)
 
 
 MAX_CONFIG_BYTES = 16 << 20

@@ -260,11 +260,12 @@ def cmd_budget(args) -> int:
                 max_concurrency=paged["max_concurrency"],
                 max_context=B.max_context(args.model, args.batch, b.kv_format, f.gpu, args.weights_dtype, **kw),
             )
-            if f.weights_fit:  # roofline predictions (kvlab.decide.latency): no GPU measured them
+            # the roofline's predictions (kvlab.decide.latency; no GPU measured them), where the batch fits
+            if out["fits"] and B.load_shape(args.model).num_parameters:
                 from .decide import latency
 
                 lat = latency(args.model, args.context, b.kv_format, f.gpu, args.weights_dtype, batch=args.batch,
-                              tp=args.tp)
+                              tp=args.tp, weights_gib=args.weights_gib)
                 out.update(predicted_ttft_ms=round(lat["ttft_s"] * 1e3, 1), predicted_tpot_ms=round(lat["tpot_s"] * 1e3, 2))
             if f.free_for_cache_per_gpu < 0:  # say how far weights + reserve overflow, never a negative free size
                 out["reserve_bytes_per_gpu"] = f.reserve_bytes_per_gpu
@@ -359,9 +360,22 @@ _ENDPOINT_ONLY = {"compare": None, "tokenizer": None, "endpoint_model": None, "c
                   "retries": 3, "backoff": 0.5, "max_tokens": 12, "top_logprobs": 5, "ppl_windows": 0}
 
 
+def _same_file(a, b) -> bool:
+    """Whether two paths name one file (through links too); False when either cannot be resolved."""
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):
+        return False
+
+
 def cmd_niah(args) -> int:
     if args.out is not None and (why := out_problem(args.out)):
         print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
+        return 2
+    if args.out is not None and args.haystack_file is not None and any(
+            _same_file(p, args.haystack_file) for p in (args.out, Path(args.out).with_suffix(".requests.jsonl"))):
+        print(f"kvlab: error: --out {shown_path(args.out)} would overwrite --haystack-file (or its journal would): "
+              "give the result another name", file=sys.stderr)
         return 2
     if args.endpoint is not None:
         return cmd_niah_endpoint(args)
@@ -451,10 +465,18 @@ def cmd_niah_endpoint(args) -> int:
     if why := _task_problem(args):
         print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
         return 2
-    for flag, given in (("--haystack-file", args.haystack_file is not None), ("--chunk", args.chunk is not None)):
-        if given:
-            print(f"kvlab: error: {flag} is for kvlab's own model; with --endpoint the prompts are the server's to "
-                  "prefill (the passkey haystack is --haystack filler or prose)", file=sys.stderr)
+    if args.chunk is not None:
+        print("kvlab: error: --chunk is for kvlab's own model; with --endpoint the prompts are the server's to prefill",
+              file=sys.stderr)
+        return 2
+    text = None
+    if args.haystack_file is not None:  # text like your traffic: the passkey's haystack is cut from it
+        try:
+            if args.task != "passkey":
+                raise ValueError("--haystack-file is for the passkey task")
+            text = read_text(args.haystack_file, "--haystack-file")
+        except (ValueError, FileNotFoundError, TypeError) as e:
+            print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
             return 2
     if args.tokenizer is not None and not args.tokenizer.strip():
         print("kvlab: error: --tokenizer is empty", file=sys.stderr)
@@ -515,7 +537,7 @@ def cmd_niah_endpoint(args) -> int:
             raise ValueError(f"--tokenizer {name}: could not load it ({str(e).splitlines()[0]})") from None
         t0 = time.perf_counter()
         doc = E.compare(eps, tok, journal, task=args.task, lengths=args.lengths, depths=args.depths,
-                        trials=args.trials, seed=args.seed, hops=args.hops, haystack=args.haystack,
+                        trials=args.trials, seed=args.seed, hops=args.hops, haystack=args.haystack, haystack_text=text,
                         max_tokens=args.max_tokens, top_logprobs=args.top_logprobs, concurrency=args.concurrency,
                         ppl_windows=args.ppl_windows, progress=not args.json)
         for err in doc.get("perplexity_errors", {}).values():

@@ -66,7 +66,7 @@ def step_time(model, batch: int, context: int, kv_format="bf16", gpu="H100-80GB"
 
 
 def latency(model, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtype="bf16", *, batch: int = 1,
-            tp: int = 1, mbu: float = MBU, mfu: float = MFU) -> dict:
+            tp: int = 1, mbu: float = MBU, mfu: float = MFU, weights_gib: float | None = None) -> dict:
     """Predicted time to first token and time per output token, from the roofline (model predictions until a GPU
     measures them): ``{"ttft_s", "ttft_bound", "tpot_s", "tpot_bound"}``.
 
@@ -74,17 +74,22 @@ def latency(model, context: int, kv_format="bf16", gpu="H100-80GB", weights_dtyp
     causal attention's 2 x context^2 x head_dim per query head and layer, at ``mfu`` x peak FLOP/s, or the weights
     and the cache it writes read at ``mbu`` x peak bandwidth if that is slower (it rarely is). TPOT is one decode step
     with ``batch`` sequences of ``context`` tokens (:func:`step_time`): bandwidth-bound, so it is where a smaller
-    cache shows. Queueing, scheduling and tensor-parallel communication are not counted.
+    cache shows. Queueing, scheduling and tensor-parallel communication are not counted. ``weights_gib``: the
+    weights' size on each GPU as your engine logged it, read instead of the size counted from ``weights_dtype``.
     """
     context, batch = B._positive_int("context", context), B._positive_int("batch", batch)
     g, shape = B.get_gpu(gpu), B.load_shape(model)
     layer = next((x for x in shape.layers if x.kv_heads), shape.layers[0])
     attn = 2 * context * context * (layer.head_dim or layer.latent_dim) * max(shape.q_heads, 1) * shape.num_layers
     flops = (2 * shape.num_parameters * context + attn) / tp
-    nbytes = B.weights_bytes(model, weights_dtype) / tp + B.budget(model, 1, context, kv_format, tp=tp).cache_bytes_per_gpu
+    w = B.weights_bytes(model, weights_dtype) / tp if weights_gib is None else B._gib("weights_gib", weights_gib) * B.GIB
+    nbytes = w + B.budget(model, 1, context, kv_format, tp=tp).cache_bytes_per_gpu
     ttft, ttft_bound = step_seconds(nbytes, flops, g.bandwidth_bytes_per_s, g.peak_bf16_flops, mbu=mbu, mfu=mfu)
     step = step_time(model, batch, context, kv_format, gpu, weights_dtype, tp=tp, mbu=mbu, mfu=mfu)
-    return {"ttft_s": ttft, "ttft_bound": ttft_bound, "tpot_s": step.seconds, "tpot_bound": step.bound}
+    # the decode step reads the weights the engine holds (the logged size where one is given) and the cache
+    tpot, tpot_bound = step_seconds(w + step.cache_bytes, step.flops, g.bandwidth_bytes_per_s, g.peak_bf16_flops,
+                                    mbu=mbu, mfu=mfu)
+    return {"ttft_s": ttft, "ttft_bound": ttft_bound, "tpot_s": tpot, "tpot_bound": tpot_bound}
 
 
 TP_SIZES = (1, 2, 4, 8)  # tensor-parallel sizes within one 8-GPU node
@@ -189,6 +194,7 @@ def _reserves(reserve_gib) -> dict[int, float]:
 
 
 EVAL_DEPTHS, EVAL_TRIALS = (0.0, 0.25, 0.5, 0.75, 1.0), 10  # the comparison each row prints: 50 prompts a length
+EVAL_HAYSTACK = "YOUR_TRAFFIC.txt"  # the printed comparison cuts its haystacks from the user's own text
 EVAL_MAX_TOKENS = 12  # tokens each answer may take (kvlab niah's default): the longest prompt is the context minus these
 EVAL_PPL_WINDOWS = 16  # held-out passages for perplexity, as chapter 4 read
 REFERENCE_FORMATS = ("bf16", "fp16", "fp32")  # full precision: the reference every paired test compares against
@@ -233,7 +239,7 @@ def options(model, gpu, context: int, concurrency: int, *, weights_dtype: str = 
     longest = context - EVAL_MAX_TOKENS
     lengths = ",".join(str(n) for n in sorted({n for n in (context // 8, context // 2) if 256 <= n < longest} | {longest}))
     eval_args = (f"--lengths {lengths} --depths {','.join(f'{d:g}' for d in EVAL_DEPTHS)} --trials {EVAL_TRIALS} "
-                 f"--max-tokens {EVAL_MAX_TOKENS} --haystack prose --ppl-windows {EVAL_PPL_WINDOWS}")
+                 f"--max-tokens {EVAL_MAX_TOKENS} --haystack-file {EVAL_HAYSTACK} --ppl-windows {EVAL_PPL_WINDOWS}")
     for name in formats:
         b = B.budget(model, concurrency, context, name, tp=tp)
         fits = b.cache_bytes_per_gpu <= f.free_for_cache_per_gpu

@@ -426,16 +426,17 @@ class Prompt:
 
 
 def ladder_prompts(tok, task: str = "passkey", lengths=(512, 2048), depths=(0.0, 0.5, 1.0), trials: int = 3,
-                   seed: int = 0, hops: int = 2, haystack: str = "filler") -> list[Prompt]:
-    """The prompts of chapter 4's sweep (same seeds), as text for a server."""
+                   seed: int = 0, hops: int = 2, haystack: str = "filler", haystack_text: str | None = None) -> list[Prompt]:
+    """The prompts of chapter 4's sweep (same seeds), as text for a server; ``haystack_text`` cuts the passkey's
+    haystack from your own text (text like your traffic) instead of the filler or prose one."""
     from . import tasks
-    from .evals import _check_args
+    from .evals import _check_args, _passkey_maker
 
     _check_args(lengths, depths, trials)
+    if haystack_text is not None and task != "passkey":
+        raise ValueError("a haystack text is for the passkey task")
     if task == "passkey":
-        hay = tasks.prose_tokens(tok) if haystack == "prose" else None
-        def make(tok, n, d, rng):
-            return tasks.passkey(tok, n, d, rng, haystack=hay)
+        make = _passkey_maker(tok, lengths, haystack, haystack_text)[0]
     elif task == "chain":
         if any(d <= 0 for d in depths):
             raise ValueError(f"chain depths are spreads and must be > 0, got {list(depths)!r}")
@@ -810,7 +811,7 @@ def perplexity(ep: Endpoint, tok, text: str | None = None, window: int = 512, ma
 def compare(endpoints: list[Endpoint], tok, journal: str | Path, *, task: str = "passkey", lengths=(512, 2048),
             depths=(1.0,), trials: int = 3, seed: int = 0, hops: int = 2, haystack: str = "filler",
             max_tokens: int = 12, top_logprobs: int = 5, concurrency: int = 4, ppl_windows: int = 0,
-            progress: bool = True) -> dict:
+            progress: bool = True, haystack_text: str | None = None) -> dict:
     """The ladder against running servers, side by side: what ``kvlab niah --endpoint URL [--compare URL2]`` and
     ``scripts/compare_engines.py`` run. The first endpoint is the teacher. Prompts past a server's
     ``max_model_len`` are refused before any is built; answers go to ``journal`` as they arrive (a rerun resumes).
@@ -823,7 +824,10 @@ def compare(endpoints: list[Endpoint], tok, journal: str | Path, *, task: str = 
         if isinstance(limit, int) and max(lengths) + max_tokens > limit:
             raise ValueError(f"--lengths {max(lengths)} + --max-tokens {max_tokens} is past {e.url}'s "
                              f"max_model_len of {limit}")
-    prompts = ladder_prompts(tok, task, lengths, depths, trials, seed=seed, hops=hops, haystack=haystack)
+    prompts = ladder_prompts(tok, task, lengths, depths, trials, seed=seed, hops=hops, haystack=haystack,
+                             haystack_text=haystack_text)
+    if haystack_text is not None:  # the settings say the prompts came from the user's own text
+        haystack = "text"
     records = run_ladder(endpoints, prompts, journal, max_tokens=max_tokens, top_logprobs=top_logprobs,
                          concurrency=concurrency, progress=progress)
     doc = side_by_side(records, endpoints[0].url, endpoints[1].url if len(endpoints) > 1 else None)

@@ -643,3 +643,22 @@ def test_budget_cli_takes_the_engines_weights(capsys):
     assert out["weights_bytes_per_gpu"] == int(67.7 * 2**30)
     assert main(["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--weights-gib", "3"]) == 2
     assert "--weights-gib needs --gpu" in capsys.readouterr().err
+
+
+def test_blocks_never_promise_more_sequences_than_they_hold():
+    """A format with a full-precision window (hf-int4: the last 128 tokens in BF16) spreads the window's cost over
+    its sequence's blocks: max_concurrency x blocks a sequence never exceeds the blocks (hostile-input finding)."""
+    for fmt in ("hf-int4", "kivi-2", "kivi-4", "bf16", "int4"):
+        p = B.blocks("llama-3.1-8b", fmt, 50 * 2**30, 8192, block_size=16)
+        assert p["max_concurrency"] * p["blocks_per_sequence"] <= p["blocks"] and p["blocks_per_sequence"] == 512
+        assert p["max_concurrency"] == 50 * 2**30 // (p["block_bytes"] * 512) or p["max_concurrency"] * p["block_bytes"] * 512 <= 50 * 2**30
+
+
+def test_a_config_without_tie_word_embeddings_is_sized_one_way():
+    """estimate_parameters and the 16-bit embedding count read a missing tie_word_embeddings the same (tied)."""
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 1000}
+    shape = B.load_shape(cfg)
+    assert shape.embedding_parameters == 1000 * 64  # one matrix: tied
+    untied = B.load_shape(cfg | {"tie_word_embeddings": False})
+    assert untied.embedding_parameters == 2 * 1000 * 64 and untied.num_parameters - shape.num_parameters == 1000 * 64

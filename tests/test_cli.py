@@ -365,7 +365,7 @@ def test_result_files_get_the_usual_mode_not_mkstemps_0600(tmp_path):
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--task", "chain", "--depths", "0"], "must be > 0"),
     (["niah", "--endpoint", "http://127.0.0.1:1", "--task", "chain", "--depths", "0,1"], "must be > 0"),
     (["niah", "--model", "kvlab-tiny", "--kv-format", "int8", "--hops", "3"], "--hops is for --task chain"),
-    (["niah", "--endpoint", "http://127.0.0.1:1", "--haystack-file", "EMPTY"], "--haystack-file is for kvlab's own"),
+    (["niah", "--endpoint", "http://127.0.0.1:1", "--haystack-file", "EMPTY"], "the file is empty"),
     (["niah", "--endpoint", "http://127.0.0.1:1", "--chunk", "64"], "--chunk is for kvlab's own"),
     (["niah", "--endpoint", "http://127.0.0.1:1", "--tokenizer", " "], "--tokenizer is empty"),
     (["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "8", "--memory-utilization", "0.5"],

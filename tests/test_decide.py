@@ -231,3 +231,5 @@ def test_latency_is_prefill_compute_and_decode_bandwidth():
     assert fp8["ttft_s"] == pytest.approx(lat["ttft_s"]) and fp8["tpot_s"] < latency("llama-3.1-8b", n, "bf16", "H100-80GB", batch=8)["tpot_s"]
     with pytest.raises(ValueError, match="batch"):
         latency("llama-3.1-8b", n, batch=0)
+    given = latency("llama-3.1-8b", n, "bf16", "H100-80GB", batch=1, weights_gib=30)  # the engine's logged weights
+    assert given["tpot_s"] == pytest.approx((30 * 2**30 + n * 32 * 2 * 8 * 128 * 2) / (B.get_gpu("H100-80GB").bandwidth_bytes_per_s * 0.7))

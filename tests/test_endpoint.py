@@ -866,3 +866,28 @@ def test_perplexity_needs_a_log_probability_for_every_token_of_the_window_sent(s
 
     with pytest.raises(E.EndpointError, match=f"returned {returned - 1} prompt log-probabilities for a prompt of 512 tokens"):
         E.perplexity(E.Endpoint(stub(behave).url), _WindowTok(), text="x", window=512, max_windows=1)
+
+
+def test_a_haystack_file_goes_to_the_servers_and_is_never_overwritten(stub, tmp_path, capsys):
+    """--haystack-file with --endpoint: the passkey's haystack is cut from your own text (the settings say "text");
+    --out naming the haystack file is refused before any request."""
+    from kvlab.models import load_tokenizer
+
+    text = "Our support desk answers questions about invoices, refunds and delivery dates. " * 120
+    tok = load_tokenizer("kvlab-tiny")
+    prompts = E.ladder_prompts(tok, lengths=[128], depths=[0.5], trials=2, haystack_text=text)
+    assert len(prompts) == 2 and all("invoices" in p.text for p in prompts)
+    assert prompts[0].text != E.ladder_prompts(tok, lengths=[128], depths=[0.5], trials=2)[0].text
+    with pytest.raises(ValueError, match="passkey task"):
+        E.ladder_prompts(tok, task="chain", lengths=[128], depths=[0.5], haystack_text=text)
+    hay = tmp_path / "traffic.txt"
+    hay.write_text(text)
+    s = stub(lambda n: (200, _completion()))
+    out = tmp_path / "r.json"
+    argv = ["niah", "--endpoint", s.url, "--model", "kvlab-tiny", "--lengths", "128", "--depths", "0.5", "--trials", "2",
+            "--max-tokens", "4", "--top-logprobs", "0", "--concurrency", "1", "--haystack-file", str(hay)]
+    assert main(argv + ["--out", str(out)]) == 0
+    assert E.load(out)["settings"]["haystack"] == "text"
+    capsys.readouterr()
+    assert main(argv + ["--out", str(hay)]) == 2 and s.count == 2  # refused before any request
+    assert "would overwrite --haystack-file" in capsys.readouterr().err and hay.read_text() == text
