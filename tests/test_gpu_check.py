@@ -14,3 +14,50 @@ def test_make_gpu_refuses_clearly_without_cuda():
                        timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("gpu_check.py: error: make gpu needs a CUDA GPU") and len(r.stderr.splitlines()) == 1
+
+
+# what a bare CUDA image lacks (issue 44): the lab's packages; the check must not need them
+BARE_IMAGE_LACKS = ("plotly", "ipywidgets", "anywidget", "gguf", "jupyterlab", "nbclient", "nbformat", "nbconvert",
+                    "playwright", "IPython", "nbmake")
+
+
+def _gpu_check():
+    """scripts/gpu_check.py as a module (its selection of tests), without running it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the refusal on a machine without CUDA")
+@pytest.mark.slow
+def test_the_gpu_check_runs_where_the_lab_packages_are_missing(tmp_path):
+    """In a Python that cannot import the lab's packages (as on the bare GPU image), the check's imports and its test
+    selection still load, and it refuses cleanly for lack of CUDA."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"BLOCKED = {set(BARE_IMAGE_LACKS)!r}\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in BLOCKED:\n"
+        "            raise ImportError(name + ' is not on the bare GPU image')\n"
+        "sys.meta_path.insert(0, Block())\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    blocked = subprocess.run([sys.executable, "-c", "import plotly"], env=env, capture_output=True, text=True)
+    assert blocked.returncode != 0 and "not on the bare GPU image" in blocked.stderr  # the block works
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out)], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
+    check = _gpu_check()
+    r = subprocess.run([sys.executable, "-m", "pytest", *check.PYTEST_ARGS, "--collect-only", *check.TESTS], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "tests collected" in r.stdout, r.stdout[-2000:]
+    r = subprocess.run([sys.executable, "benchmarks/decode_attention.py", "--help"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
