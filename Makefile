@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: lab test quick lint unit notebooks book browser-deps data peers gpu clean
+.PHONY: lab test quick lint unit notebooks book browser-deps data peers gpu gpu-bare clean
 
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,12 @@ data: $(STAMP)
 # one JSON under data/results/ (refuses without CUDA).
 gpu: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py
+
+# The same check on a bare CUDA image (torch, triton, transformers, pytest and hypothesis in its python3, no network,
+# no virtualenv): nothing is installed; results go to GPU_OUT.
+GPU_OUT ?= data/results
+gpu-bare:
+	PYTHONPATH=. python3 scripts/gpu_check.py --out $(GPU_OUT)
 
 # The real engines beside kvlab (not part of `make test`): builds llama.cpp from source through
 # llama-cpp-python (about 10 minutes on 2 cores; a portable AVX2 build: the default native build with
