@@ -319,6 +319,8 @@ def layer_windows(config) -> list[int | None]:
     if not hasattr(config, "get_text_config"):
         raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
     types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(kwargs, dict):  # transformers before 5.2x: one kwargs dict for every layer, not one per layer
+        kwargs = [kwargs] * len(types)
     return [kw.get("sliding_window") if t in ("sliding_attention", "chunked_attention") else None
             for t, kw in zip(types, kwargs)]
 

@@ -25,7 +25,11 @@ def test_lossless_format_generates_like_dynamic_cache(shipped):
 def test_fp8_per_tensor_matches_transformers_quantized_cache(shipped):
     model, tok = shipped
     ids = torch.tensor([tok.encode("The grass is green. The sky is blue. The pass key is 12345.")])
-    hf, ours = QuantizedCache(backend="fp8", config=model.config), KVQuantCache("fp8_e4m3", quantize_prefill=False)
+    try:
+        hf = QuantizedCache(backend="fp8", config=model.config)
+    except ValueError as e:  # transformers before its fp8 backend (5.17 on the bare GPU image): no engine to match
+        pytest.skip(f"this transformers has no fp8 QuantizedCache ({e})")
+    ours = KVQuantCache("fp8_e4m3", quantize_prefill=False)
     model.set_attn_implementation("sdpa")  # bit for bit: both dequantize, then SDPA (kvlab's tiles differ in the last bits)
     with torch.no_grad():
         a, b = model(ids, past_key_values=hf), model(ids, past_key_values=ours)
