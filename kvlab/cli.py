@@ -360,6 +360,9 @@ _ENDPOINT_ONLY = {"compare": None, "tokenizer": None, "endpoint_model": None, "c
                   "retries": 3, "backoff": 0.5, "max_tokens": 12, "top_logprobs": 5, "ppl_windows": 0}
 
 
+ENDPOINT_OUT = "kvlab-endpoints.json"  # kvlab niah --endpoint's result without --out
+
+
 def _same_file(a, b) -> bool:
     """Whether two paths name one file (through links too); False when either cannot be resolved."""
     try:
@@ -372,9 +375,13 @@ def cmd_niah(args) -> int:
     if args.out is not None and (why := out_problem(args.out)):
         print(f"kvlab: error: {one_line(why)}", file=sys.stderr)
         return 2
-    if args.out is not None and args.haystack_file is not None and any(
-            _same_file(p, args.haystack_file) for p in (args.out, Path(args.out).with_suffix(".requests.jsonl"))):
-        print(f"kvlab: error: --out {shown_path(args.out)} would overwrite --haystack-file (or its journal would): "
+    if args.haystack_file is not None and args.haystack != "filler":
+        print("kvlab: error: give --haystack or --haystack-file, not both (the file is the haystack)", file=sys.stderr)
+        return 2
+    out = args.out if args.out is not None else (ENDPOINT_OUT if args.endpoint is not None else None)
+    if out is not None and args.haystack_file is not None and any(
+            _same_file(p, args.haystack_file) for p in (out, Path(out).with_suffix(".requests.jsonl"))):
+        print(f"kvlab: error: --out {shown_path(out)} would overwrite --haystack-file (or its journal would): "
               "give the result another name", file=sys.stderr)
         return 2
     if args.endpoint is not None:
@@ -492,7 +499,7 @@ def cmd_niah_endpoint(args) -> int:
     if args.out is not None and not args.out.strip():
         print("kvlab: error: --out is empty", file=sys.stderr)
         return 2
-    out = Path(args.out or "kvlab-endpoints.json")
+    out = Path(args.out or ENDPOINT_OUT)
     journal = out.with_suffix(".requests.jsonl")
     from .paths import result_path
 
@@ -555,6 +562,8 @@ def cmd_niah_endpoint(args) -> int:
             os._exit(130)
         return 130
     doc["journal"] = str(journal)
+    if args.haystack_file is not None:
+        doc["settings"]["haystack_file"] = str(args.haystack_file)
     doc["wall_seconds"] = round(time.perf_counter() - t0, 1)  # this run only (a resumed run reuses answers)
     try:
         write_json(out, doc)

@@ -826,13 +826,17 @@ def compare(endpoints: list[Endpoint], tok, journal: str | Path, *, task: str = 
                              f"max_model_len of {limit}")
     prompts = ladder_prompts(tok, task, lengths, depths, trials, seed=seed, hops=hops, haystack=haystack,
                              haystack_text=haystack_text)
-    if haystack_text is not None:  # the settings say the prompts came from the user's own text
+    if haystack_text is not None:  # the settings say the prompts came from the user's own text, and which
         haystack = "text"
     records = run_ladder(endpoints, prompts, journal, max_tokens=max_tokens, top_logprobs=top_logprobs,
                          concurrency=concurrency, progress=progress)
     doc = side_by_side(records, endpoints[0].url, endpoints[1].url if len(endpoints) > 1 else None)
     doc["settings"] = dict(task=task, lengths=list(lengths), depths=list(depths), trials=trials, seed=seed, hops=hops,
                            haystack=haystack, max_tokens=max_tokens, top_logprobs=top_logprobs, concurrency=concurrency)
+    if haystack_text is not None:
+        import hashlib
+
+        doc["settings"]["haystack_sha256"] = hashlib.sha256(haystack_text.encode("utf-8", "surrogatepass")).hexdigest()
     if ppl_windows:
         doc["perplexity"], doc["perplexity_errors"] = {}, {}
         for e in endpoints:

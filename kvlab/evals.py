@@ -222,15 +222,22 @@ def passkey_sweeps(model, tok, fmts, lengths=(512, 1024, 2048), depths=(0.0, 0.5
                    progress, prefill, {"haystack": haystack}, chunk)
 
 
+HAYSTACK_CHARS = 64  # characters of a haystack text read per token of the longest prompt
+
+
 def _passkey_maker(tok, lengths, haystack: str, haystack_text: str | None):
     """The passkey prompts' maker for a haystack, and the haystack's name (``"text"`` for a user's own text)."""
     if haystack_text is not None:
         if not isinstance(haystack_text, str) or not haystack_text.strip():
             raise ValueError("haystack_text must be a non-empty string")
         haystack = "text"
+        # only its start is read: HAYSTACK_CHARS characters a token of the longest prompt (a token is rarely more
+        # than a dozen), so a large file costs no more than a small one
+        haystack_text = haystack_text[:HAYSTACK_CHARS * max(lengths)]
     hay = tasks.prose_tokens(tok, haystack_text) if haystack in ("prose", "text") else None
     if hay is not None and len(hay) < max(lengths):
-        raise ValueError(f"the haystack text has {len(hay)} tokens, fewer than the longest length {max(lengths)}")
+        raise ValueError(f"the haystack text (haystack_text, --haystack-file) has {len(hay)} tokens, fewer than the "
+                         f"longest length {max(lengths)}")
     return (lambda t, n, d, r: tasks.passkey(t, n, d, r, haystack=hay)), haystack
 
 

@@ -868,7 +868,7 @@ def test_perplexity_needs_a_log_probability_for_every_token_of_the_window_sent(s
         E.perplexity(E.Endpoint(stub(behave).url), _WindowTok(), text="x", window=512, max_windows=1)
 
 
-def test_a_haystack_file_goes_to_the_servers_and_is_never_overwritten(stub, tmp_path, capsys):
+def test_a_haystack_file_goes_to_the_servers_and_is_never_overwritten(stub, tmp_path, capsys, monkeypatch):
     """--haystack-file with --endpoint: the passkey's haystack is cut from your own text (the settings say "text");
     --out naming the haystack file is refused before any request."""
     from kvlab.models import load_tokenizer
@@ -880,6 +880,12 @@ def test_a_haystack_file_goes_to_the_servers_and_is_never_overwritten(stub, tmp_
     assert prompts[0].text != E.ladder_prompts(tok, lengths=[128], depths=[0.5], trials=2)[0].text
     with pytest.raises(ValueError, match="passkey task"):
         E.ladder_prompts(tok, task="chain", lengths=[128], depths=[0.5], haystack_text=text)
+    # only the file's start is read (64 characters a token of the longest prompt): what follows changes nothing
+    from kvlab.evals import HAYSTACK_CHARS
+
+    assert len(text) > HAYSTACK_CHARS * 128
+    assert [p.text for p in prompts] == [p.text for p in E.ladder_prompts(tok, lengths=[128], depths=[0.5], trials=2,
+                                                                         haystack_text=text + "tail " * 10**6)]
     hay = tmp_path / "traffic.txt"
     hay.write_text(text)
     s = stub(lambda n: (200, _completion()))
@@ -887,7 +893,18 @@ def test_a_haystack_file_goes_to_the_servers_and_is_never_overwritten(stub, tmp_
     argv = ["niah", "--endpoint", s.url, "--model", "kvlab-tiny", "--lengths", "128", "--depths", "0.5", "--trials", "2",
             "--max-tokens", "4", "--top-logprobs", "0", "--concurrency", "1", "--haystack-file", str(hay)]
     assert main(argv + ["--out", str(out)]) == 0
-    assert E.load(out)["settings"]["haystack"] == "text"
+    settings = E.load(out)["settings"]
+    assert settings["haystack"] == "text" and settings["haystack_file"] == str(hay)
+    import hashlib
+
+    assert settings["haystack_sha256"] == hashlib.sha256(text.encode()).hexdigest()  # which text, exactly
     capsys.readouterr()
     assert main(argv + ["--out", str(hay)]) == 2 and s.count == 2  # refused before any request
     assert "would overwrite --haystack-file" in capsys.readouterr().err and hay.read_text() == text
+    # without --out the result goes to kvlab-endpoints.json: a haystack of that name is refused too
+    monkeypatch.chdir(tmp_path)
+    default = tmp_path / "kvlab-endpoints.json"
+    default.write_text(text)
+    assert main([*argv[:-1], "kvlab-endpoints.json"]) == 2 and default.read_text() == text and s.count == 2
+    assert main(argv + ["--haystack", "prose", "--out", str(out)]) == 2
+    assert "not both" in capsys.readouterr().err
