@@ -1,5 +1,7 @@
 """Chapter 4's main-path values on small synthetic model facts (oracle values written out), and on the shipped data."""
 
+import pytest
+
 from kvlab import facts, prose
 from kvlab.chapters import where_int4_breaks as ch4
 from kvlab.results import Paired
@@ -37,6 +39,7 @@ def test_the_main_path_sections_hold_and_render_on_the_shipped_data():
     assert len(card) == 2 + len(ch4.CARD) and all(f"`{f}`" in "\n".join(card) for f in ch4.CARD)
 
 
+@pytest.mark.slow  # computes four chapters' facts (chapter 5's replays): the book build shows the page too
 def test_the_start_page_states_what_the_chapters_found():
     from kvlab.chapters import start_here
 
