@@ -53,9 +53,13 @@ def default_reserve(tp: int = 1) -> tuple[float, str]:
     """``(GiB, where it comes from)``: the reserve logged at this tensor-parallel size, or the largest size below it
     (a reserve grows with TP: NCCL buffers). Logged for an 8B model; a larger model's activation peak is larger,
     so pass your own engine's figure (``reserve_gib=``, ``kvlab budget --reserve-gib``) where you have one."""
-    tp = _positive_int("tp", tp)
-    logged = max(n for n in TP_RESERVE_GIB if n <= tp)
+    logged = logged_size(TP_RESERVE_GIB, _positive_int("tp", tp))
     return TP_RESERVE_GIB[logged], RESERVE_SOURCE.format(tp=logged)
+
+
+def logged_size(reserves: dict[int, float], tp: int) -> int:
+    """The tensor-parallel size whose reserve applies at ``tp``: the largest logged size not above it."""
+    return max(t for t in reserves if t <= tp)
 
 
 def blocks(model, kv_format, free_bytes: int, context: int, *, tp: int = 1, block_size: int = VLLM_BLOCK_SIZE) -> dict:

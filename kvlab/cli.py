@@ -188,7 +188,7 @@ def _fraction(text):
     return v
 
 
-def _reserve_gib(text):
+def _gib_flag(text):
     s, v = _read_number(text, "a number of GiB", float)
     if not (math.isfinite(v) and 0 <= v <= 1e6):
         raise argparse.ArgumentTypeError(f"must be a finite number of GiB from 0 to 1e6, got {s}")
@@ -801,10 +801,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tp", default=1, type=int_flag(1, 1024), help="tensor-parallel ranks")
     b.add_argument("--block-size", default=B.VLLM_BLOCK_SIZE, type=int_flag(1, 2**20),
                    help="paged-cache block size in tokens (default 16, vLLM's): sequences take whole blocks")
-    b.add_argument("--weights-gib", default=None, type=_reserve_gib,
+    b.add_argument("--weights-gib", default=None, type=_gib_flag,
                    help="the weights' GiB on each GPU as your engine logged them (default: counted from --weights-dtype, "
                         "with the embedding and LM head in 16-bit below 16 bits, as quantized checkpoints keep them)")
-    b.add_argument("--reserve-gib", default=None, type=_reserve_gib,
+    b.add_argument("--reserve-gib", default=None, type=_gib_flag,
                    help="GiB the engine keeps for itself on each GPU (activation peak, CUDA graphs, NCCL): read it from "
                         "your engine's log; default by --tp as vLLM logged it for Llama-3-8B on H100s "
                         "(3.05 GiB at TP 1, 4.84 at TP 2 and up)")

@@ -179,7 +179,7 @@ def reserve_at(tp: int, reserve_gib=B.TP_RESERVE_GIB) -> float:
 
 
 def _reserve_for(reserves: dict[int, float], tp: int) -> float:
-    return reserves[max(t for t in reserves if t <= tp)]
+    return reserves[B.logged_size(reserves, tp)]
 
 
 def _reserves(reserve_gib) -> dict[int, float]:

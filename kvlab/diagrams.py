@@ -54,9 +54,9 @@ def scale_tile(formats, tokens: int = 64, head_dim: int = 64, context: int = 409
         z = tile_colours(f, tokens, head_dim, context, which)
         fig.add_heatmap(z=z, zmin=0, zmax=FULL, colorscale=scale, showscale=False, xgap=0, ygap=0,
                         hovertemplate="token %{y}, channel %{x}<extra></extra>", row=i // cols + 1, col=i % cols + 1)
-    fig.update_yaxes(autorange="reversed", showticklabels=False)
-    fig.update_xaxes(showticklabels=False)
-    fig.update_layout(height=270 * rows, margin=dict(l=20, r=20, t=60, b=20),
+    fig.update_yaxes(autorange="reversed", showticklabels=False, title_text="token", title_standoff=2)
+    fig.update_xaxes(showticklabels=False, title_text="channel (head_dim)", title_standoff=2)
+    fig.update_layout(height=270 * rows, margin=dict(l=40, r=20, t=60, b=45),
                       title=f"Which {which} values share a scale: the first {tokens} tokens (rows) x {head_dim} channels "
                             f"of one head; grey = kept in full precision")
     return fig

@@ -2034,8 +2034,7 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
         "eval_per_length": len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS,
         "latency_md": _latency_md(lat, plans), "lat": lat,
         # the same arithmetic in every format: compare prefill at one tensor-parallel size
-        "ttft_spread": max(max(ts) / min(ts) - 1 for ts in [[v[1]["ttft_s"] for f, v in lat.items() if plans[f]["tp"] == t]
-                                                            for t in {pl["tp"] for pl in plans.values() if pl}] if ts),
+        "ttft_spread": _spread_at_one_tp(lat, plans),
         # what the printed comparison can see (kvlab.power: exact McNemar, 80% power, no chance flips: its best case)
         "detect_len": power.detectable_loss(len(decide.EVAL_DEPTHS) * decide.EVAL_TRIALS),
         "need_10": power.prompts_needed(0.10),
@@ -2255,6 +2254,14 @@ def choosing_a_format(model=CH6_DEPLOYMENT["model"], gpu=CH6_DEPLOYMENT["gpu"], 
             _claim(PPL_TOLERANCE > 5 * max(abs(min(noise)), abs(max(noise))), noise),
     }
     return Facts(values, claims)
+
+
+def _spread_at_one_tp(lat: dict, plans: dict) -> float:
+    """The largest relative spread of predicted TTFT among formats whose plans share a tensor-parallel size."""
+    by_tp: dict[int, list[float]] = {}
+    for f, v in lat.items():
+        by_tp.setdefault(plans[f]["tp"], []).append(v[1]["ttft_s"])
+    return max(max(ts) / min(ts) - 1 for ts in by_tp.values())
 
 
 def _latency_md(lat: dict, plans: dict) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from .results import ALPHA
+from .results import ALPHA, fewest_prompts_to_detect
 
 POWER = 0.8  # the conventional target: a real loss of the stated size is called "worse" four times in five
 LIMIT = 20_000  # the most prompts prompts_needed searches (a 1-point loss with no flips needs about 600)
@@ -123,19 +123,11 @@ def prompts_needed(loss: float, flips: float = 0.0, target: float = POWER, alpha
     limit = _prompts("limit", limit)
     # a binomial's median is at most its mean rounded up, so while n * (loss + flips) <= k_min - 1 (k_min: the
     # fewest losses that can ever be called worse) the power is at most 1/2: skip those sizes when target > 1/2
-    lo = math.floor((_threshold_min(alpha) - 1) / (loss + flips)) if target > 0.5 else 1
+    lo = math.floor((fewest_prompts_to_detect(alpha) - 1) / (loss + flips)) if target > 0.5 else 1
     for n in range(max(1, lo), limit + 1):
         if power(n, loss, flips, alpha) >= target:
             return n
     return None
-
-
-def _threshold_min(alpha: float) -> int:
-    """The fewest losses that can ever be called worse (all discordant prompts lost)."""
-    m = 1
-    while _threshold(m, alpha) > m:
-        m += 1
-    return m
 
 
 def detectable_loss(prompts: int, flips: float = 0.0, target: float = POWER, alpha: float = ALPHA,

@@ -40,7 +40,6 @@ def _env():
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=False)
     env.filters["fmt"] = lambda value, spec="": format(value, spec)  # Python's format spec: ".0%", ",", "+.1%"
-    env.filters["k"] = lambda n: f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"  # 32768 -> "32k"
     env.filters["names"] = lambda xs, empty="none": ", ".join(f"`{x}`" for x in xs) or empty
     return env
 

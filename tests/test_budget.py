@@ -662,3 +662,7 @@ def test_a_config_without_tie_word_embeddings_is_sized_one_way():
     assert shape.embedding_parameters == 1000 * 64  # one matrix: tied
     untied = B.load_shape(cfg | {"tie_word_embeddings": False})
     assert untied.embedding_parameters == 2 * 1000 * 64 and untied.num_parameters - shape.num_parameters == 1000 * 64
+
+
+def test_a_tp_size_not_logged_takes_the_largest_logged_below_it():
+    assert [B.logged_size({1: 3.0, 2: 4.8}, tp) for tp in (1, 2, 3, 8)] == [1, 2, 2, 2]

@@ -56,3 +56,9 @@ def test_gpu_runs_are_the_gpu_check_files(tmp_path):
     (tmp_path / "gpu_H100_2026-12-01.json").write_text("{}")
     (tmp_path / "decode_cpu.json").write_text("{}")
     assert [p.name for p in start_here.gpu_runs(tmp_path)] == ["gpu_H100_2026-12-01.json"]
+
+
+def test_values_a_scale_reads_the_key_layout():
+    # per token: a head's whole key; groups: their size; KIVI-4: 32 tokens of one channel; per tensor: everything
+    assert [ch4.values_a_scale(f, 256) for f in ("int4_token", "int4", "q4_0", "int4_g16", "kivi-4")] == [256, 64, 32, 16, 32]
+    assert ch4.values_a_scale("int4_tensor", 256) == float("inf")

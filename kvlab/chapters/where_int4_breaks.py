@@ -7,7 +7,7 @@ returns the values and claims of one section of ``notebooks/prose/04_where_int4_
 from __future__ import annotations
 
 from .. import power
-from ..facts import Facts
+from ..facts import Facts, _k
 from ..tables import markdown
 
 # the verdict card's rows, from the formats engines ship to kvlab's own: 8-bit, then 4-bit by scale width
@@ -15,6 +15,14 @@ CARD = ("fp8_e4m3", "int8", "q8_0", "kivi-4", "int4_g16", "q4_0", "int4", "int4_
         "kivi-2", "int4_tensor")
 EIGHT_BIT = ("fp8_e4m3", "int8", "q8_0")
 LOSSES = (0.05, 0.10, 0.20, 0.30)  # the losses the power table asks about (points of accuracy)
+
+
+def values_a_scale(fmt: str, head_dim: int) -> float:
+    """How many of a key's values share one scale (``inf`` for one scale per tensor or channel over all tokens)."""
+    from ..formats import get_format
+
+    q = get_format(fmt).key
+    return {"token": head_dim, "group": q.group_size}.get(q.granularity, float("inf"))
 
 
 def needle_cell(m: dict, fmt: str) -> str:
@@ -29,10 +37,6 @@ def needle_cell(m: dict, fmt: str) -> str:
     if not where and m["pooled"][fmt].verdict == "worse":
         where = ["pooled"]
     return "✗ " + "; ".join(where)
-
-
-def _k(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
 
 
 def _ppl(x: float, bar: float) -> str:
@@ -62,10 +66,9 @@ def answer(F) -> Facts:
     held_both = [f for f in CARD if f in S["held"] and f in G["held"]]
     four_bit = [f for f in CARD if f not in EIGHT_BIT]
     held_long = [f for f in four_bit if f in G["held"]]  # 4-bit formats Gemma never lost a needle with, to 32k
-    clean = [f for f in held_both if S["ppl"][f] <= bar and G["ppl"][f] <= bar]
     values = {"S": S, "G": G, "bar": bar, "card_md": card(F),
               "eight_ppl": max(m["ppl"][f] for m in (S, G) for f in EIGHT_BIT), "held_both": held_both, "held_long": held_long,
-              "clean": clean, "eight_held": all(f in held_both for f in EIGHT_BIT),
+              "eight_held": all(f in held_both for f in EIGHT_BIT),
               "tensor_failed": "int4_tensor" not in S["held"] and "int4_tensor" not in G["held"],
               "token_failed_long": "int4_token" not in G["held"], "traps": len(F["q"]["false"]["ppl"]),
               "token_smol": needle_cell(S, "int4_token"), "gemma_layers": F["gemma_layers"], "trap_at": F["trap_at"],
@@ -75,8 +78,8 @@ def answer(F) -> Facts:
     claims = {
         "every 8-bit format held on both models": (values["eight_held"], held_both),
         "one scale per tensor failed on both models": (values["tensor_failed"], None),
-        "at 32k the 4-bit formats that held have at most 32 values a scale on Gemma (or KIVI's per-channel keys)":
-            (all(f in ("kivi-4", "int4_g16", "q4_0") for f in held_long), held_long),
+        "to 32k on Gemma the 4-bit formats that held share each key scale among at most 32 values":
+            (bool(held_long) and all(values_a_scale(f, G["head_dim"]) <= 32 for f in held_long), held_long),
         "perplexity through the cache flagged every format a longer needle caught (no trap)":
             (values["traps"] == 0, F["q"]["false_md"]["ppl"]),
     }
@@ -94,7 +97,8 @@ def flip_rate(F) -> float:
 def how_many_prompts(F) -> Facts:
     """The power section: prompts needed for each loss with and without the measured chance flips."""
     flips = round(flip_rate(F), 3)
-    rows = [[f"{d:.0%}", power.prompts_needed(d), power.prompts_needed(d, flips)] for d in LOSSES]
+    need = {(r["loss"], r["flips"]): r["prompts"] for r in power.table(LOSSES, (0.0, flips))}
+    rows = [[f"{d:.0%}", need[d, 0.0], need[d, flips]] for d in LOSSES]
     G = F["G"]
     values = {"flips": flips, "power_md": markdown(
         ["loss to detect (points)", "prompts needed, no chance flips", f"with {flips:.1%} flips each way"],
