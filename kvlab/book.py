@@ -128,6 +128,7 @@ nav.kvlab-book.bottom { border-top: 1px solid #ddd; border-bottom: none; }
 details.kvlab-fold { border-left: 3px solid #ccd; margin: 0.75rem 0; padding-left: 0.5rem; }
 details.kvlab-fold > summary { cursor: pointer; font-family: system-ui, sans-serif; font-weight: 600; padding: 0.4rem 0; }
 details.kvlab-fold > div.jp-Cell:first-of-type .jp-RenderedMarkdown > :is(h1, h2, h3, h4, h5):first-child { display: none; }
+.jp-RenderedMarkdown pre { background: #f6f6f8; border: 1px solid #e2e2e8; padding: 0.5rem 0.75rem; overflow-x: auto; }
 """
 
 

@@ -175,7 +175,9 @@ class Numeric:
     def _answer_html(self) -> str:
         import html
 
-        return f"<p><b>{self.answer:,.6g} {html.escape(self.unit)}</b> {html.escape(self.explanation)}</p>"
+        hints = "".join(f"<li><b>{v:,.6g}</b>: {html.escape(msg)}</li>" for msg, v in self.mistakes.items())
+        hints = f"<details><summary>Got another number?</summary><ul>{hints}</ul></details>" if hints else ""
+        return f"<p><b>{self.answer:,.6g} {html.escape(self.unit)}</b> {html.escape(self.explanation)}</p>{hints}"
 
     def widget(self):
         import ipywidgets as w

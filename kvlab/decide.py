@@ -363,15 +363,16 @@ def shortlist(rows: list[dict], max_ppl: float | None = None) -> list[str]:
     ``max_ppl`` defaults to the workbook's one perplexity bar, :data:`kvlab.results.PPL_TOLERANCE`."""
     if max_ppl is None:
         from .results import PPL_TOLERANCE as max_ppl
-    picks = []
-    for r in rows:
-        q = r["quality"]
-        if not (q["measured"] and r["engines"]):
-            continue
-        if q["reference"] or all(m["held"] and m["ppl_increase"] is not None and m["ppl_increase"] < max_ppl
-                                 for m in q["models"].values()):
-            picks.append(r["kv_format"])
-    return picks
+    return [r["kv_format"] for r in rows if r["engines"] and passes_screen(r["quality"], max_ppl)]
+
+
+def passes_screen(quality: dict, max_ppl: float) -> bool:
+    """Whether a format's quality (:func:`options`' ``quality``) passes chapter 6's screen: measured, and held on the
+    needle with perplexity under ``max_ppl`` on every model (full precision, the reference, passes)."""
+    if not quality["measured"]:
+        return False
+    return quality["reference"] or all(m["held"] and m["ppl_increase"] is not None and m["ppl_increase"] < max_ppl
+                                       for m in quality["models"].values())
 
 
 # Modelled throughputs this close are a tie: the roofline assumes every kernel reads its format at the same

@@ -62,3 +62,51 @@ def test_values_a_scale_reads_the_key_layout():
     # per token: a head's whole key; groups: their size; KIVI-4: 32 tokens of one channel; per tensor: everything
     assert [ch4.values_a_scale(f, 256) for f in ("int4_token", "int4", "q4_0", "int4_g16", "kivi-4")] == [256, 64, 32, 16, 32]
     assert ch4.values_a_scale("int4_tensor", 256) == float("inf")
+
+
+# ------------------------------------------------------------------ chapter 6
+
+
+def test_short_flag_drops_the_notes_after_an_option():
+    from kvlab.chapters.choosing_a_format import short_flag
+
+    assert short_flag("--kv-cache-dtype fp8 (= fp8_e4m3)") == "--kv-cache-dtype fp8"
+    assert short_flag("-ctk q4_0 -ctv q4_0 -fa on, llama.cpp's default since PR #21038") == "-ctk q4_0 -ctv q4_0 -fa on"
+    assert short_flag("TurbomindEngineConfig(quant_policy=8) / lmdeploy serve api_server --quant-policy 8") == \
+        "lmdeploy serve api_server --quant-policy 8"
+    assert short_flag("NVFP4 KV Cache: quantize the checkpoint offline") == "NVFP4 KV Cache"
+
+
+def test_the_engine_card_lists_every_quantized_option_of_every_serving_engine():
+    from kvlab.chapters.choosing_a_format import card_rows
+    from kvlab.formats import engine_table
+
+    t, rows = engine_table(), card_rows()
+    listed = {(e, f) for e, _, f, _ in rows}
+    for key, engine in t["engines"].items():
+        if key == "transformers":
+            continue
+        for fmt, opts in t["presets"].items():
+            if opts.get(key) and fmt not in ("bf16", "fp16", "fp32"):
+                # llama.cpp's q4_0 and q8_0 rotate by default: the card shows the rotated format instead
+                assert (engine["name"], fmt) in listed or (engine["name"], fmt + "+rotate") in listed, (key, fmt)
+    assert ("llama.cpp", "q4_0+rotate") in listed and ("llama.cpp", "q4_0") not in listed
+    assert ("vLLM", "int4_token+rotate") in listed  # vLLM's int4_per_token_head is only near a kvlab format
+    assert not any(e == "transformers" for e, *_ in rows)
+
+
+def test_chapter_6s_hand_count_and_card_on_the_shipped_data():
+    """(test_facts renders every section of the chapter from its function and checks the claims.)"""
+    from kvlab.chapters import choosing_a_format as ch6
+
+    F = facts.choosing_a_format("llama-3.1-8b", "H100-80GB", "bf16", 32768, 64, list(ch6_formats()))
+    H = ch6.by_hand(F)
+    # oracle: 32 layers x 2 (K, V) x 8 heads x 128 values x 2 bytes x 32,768 tokens = 4 GiB a sequence
+    assert H["per_seq_gib"] == 4.0 and H["fits"] == int(H["free_gib"] // 4)
+    card = ch6.card(F)["engine_card_md"].splitlines()
+    assert len(card) == 2 + len(ch6.card_rows())
+
+
+def ch6_formats():
+    return ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_tensor", "lmdeploy-int8", "q8_0", "kivi-4", "int4", "q4_0",
+            "int4_tensor")

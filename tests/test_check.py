@@ -35,6 +35,12 @@ def test_numeric_tolerance_and_named_mistakes():
     assert not q.check("lots").correct
 
 
+def test_a_numeric_answer_in_the_static_book_carries_its_mistake_hints():
+    html = Numeric("bytes?", 131072, mistakes={"You forgot <V>.": 65536})._answer_html()
+    assert "<b>65,536</b>: You forgot &lt;V&gt;." in html and "<details>" in html
+    assert "<details>" not in Numeric("bytes?", 131072)._answer_html()
+
+
 def quant_ref(x):
     s = x.abs().amax(-1, keepdim=True) / 127
     return torch.round(x / s).clamp(-127, 127).to(torch.int8)

@@ -3,9 +3,9 @@
 import pytest
 
 from kvlab import facts, prose
-from kvlab.chapters import where_int4_breaks
+from kvlab.chapters import choosing_a_format, where_int4_breaks
 
-SECTIONS = {"04_where_int4_breaks": where_int4_breaks.SECTIONS}  # chapters whose sections have their own function
+SECTIONS = {"04_where_int4_breaks": where_int4_breaks.SECTIONS, "06_choosing_a_format": choosing_a_format.SECTIONS}  # chapters whose sections have their own function
 
 
 @pytest.fixture(scope="module", params=sorted(facts.CHAPTERS))
