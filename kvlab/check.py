@@ -143,15 +143,26 @@ class MultipleChoice:
         _show(self.widget(), self.snapshot_html())
 
 
+def _finite(name: str, value) -> float:
+    """``value`` as a finite float, or ``ValueError`` naming ``name``."""
+    try:
+        x = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        x = math.nan
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return x
+
+
 class Numeric:
     """A numeric answer within a relative tolerance; ``mistakes`` maps wrong values to explanations."""
 
     def __init__(self, question: str, answer: float, rel_tol: float = 0.02, unit: str = "",
                  mistakes: dict[str, float] | None = None, explanation: str = ""):
-        if not rel_tol > 0:
-            raise ValueError(f"rel_tol must be > 0, got {rel_tol}")
-        self.question, self.answer, self.rel_tol, self.unit = question, float(answer), rel_tol, unit
-        self.mistakes = {msg: float(v) for msg, v in (mistakes or {}).items()}
+        if isinstance(rel_tol, bool) or not isinstance(rel_tol, int | float) or not 0 < rel_tol < 1:
+            raise ValueError(f"rel_tol must be a fraction in (0, 1), got {rel_tol!r}")
+        self.question, self.answer, self.rel_tol, self.unit = question, _finite("answer", answer), rel_tol, unit
+        self.mistakes = {msg: _finite(f"the mistake {msg!r}", v) for msg, v in (mistakes or {}).items()}
         self.explanation = explanation
 
     def _close(self, a, b):
@@ -160,8 +171,10 @@ class Numeric:
     def check(self, value) -> Feedback:
         try:
             value = float(value)
-        except (TypeError, ValueError):
-            return Feedback(False, f"Enter a number, got {value!r}.")
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
+            return Feedback(False, f"Enter a number, got {str(value)[:40]!r}.")
+        if not math.isfinite(value):
+            return Feedback(False, f"Enter a finite number, got {value}.")
         if self._close(value, self.answer):
             return Feedback(True, self.explanation or f"{self.answer:,.6g} {self.unit}".strip())
         for msg, v in self.mistakes.items():
@@ -258,12 +271,13 @@ class Exercise:
     def check(self, fn: Callable) -> Feedback:
         if not callable(fn):
             return Feedback(False, f"Pass your function itself, got {type(fn).__name__}.")
+        name = getattr(fn, "__name__", None) or type(fn).__name__  # a functools.partial has no __name__
         try:
             got = self._outputs(fn)
         except NotImplementedError:
-            return Feedback(False, f"`{fn.__name__}` is not written yet.")
+            return Feedback(False, f"`{name}` is not written yet.")
         except Exception as e:  # the reader's code: report, don't crash the notebook
-            return Feedback(False, f"`{fn.__name__}` raised {type(e).__name__}: {e}")
+            return Feedback(False, f"`{name}` raised {type(e).__name__}: {e}")
         want = self._outputs(self.reference)
         if all(_same(g, w, self.atol) for g, w in zip(got, want)):
             return Feedback(True, f"{self.name}: all {len(self.cases)} cases match the reference.")

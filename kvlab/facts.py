@@ -30,7 +30,13 @@ class Facts(dict):
     def __init__(self, values: dict, claims: dict[str, tuple[bool, object] | bool]):
         super().__init__(values)
         # a claim is (holds, evidence), or a bare truth value where the sentence is its own evidence
-        self.claims = {c: (holds(v[0]), v[1]) if isinstance(v, tuple) else (holds(v), None) for c, v in claims.items()}
+        self.claims = {}
+        for c, v in claims.items():
+            truth, evidence = v if isinstance(v, tuple) else (v, None)
+            try:
+                self.claims[c] = (holds(truth), evidence)
+            except TypeError as e:
+                raise TypeError(f"claim {c!r}: {e}") from None
 
     def failed(self) -> dict[str, object]:
         """``{claim: evidence}`` for every claim the data no longer support."""

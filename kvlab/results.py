@@ -54,8 +54,11 @@ class Incomplete(KeyError):
 
 def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval for a proportion (95% by default): ``(low, high)``."""
-    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1 or not 0 <= correct <= trials:
+    trials, correct = _count("trials", trials), _count("correct", correct)
+    if trials < 1 or correct > trials:
         raise ValueError(f"need 0 <= correct <= trials and trials >= 1, got {correct}/{trials}")
+    if isinstance(z, bool) or not isinstance(z, int | float) or not 0 < z < math.inf:
+        raise ValueError(f"z must be a positive finite number (1.96 for 95%), got {z!r}")
     p, n = correct / trials, trials
     mid = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
@@ -64,24 +67,35 @@ def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     return lo, hi
 
 
+def _log_binom_cdf(k: int, n: int, p: float) -> float:
+    """log P(X <= k) for X ~ Binomial(n, p), 0 < p < 1, summed in log space: no term overflows or underflows
+    whatever n is (the plain sum of comb(n, i) p^i (1-p)^(n-i) overflows a float near n = 1,000)."""
+    lp, lq = math.log(p), math.log1p(-p)
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
+    top = max(logs)
+    return top + math.log(sum(math.exp(x - top) for x in logs))
+
+
 def exact_upper(k: int, n: int, confidence: float = 0.95) -> float:
     """One-sided exact (Clopper-Pearson) upper bound on a proportion after ``k`` events in ``n`` trials: the
     largest rate under which seeing ``k`` or fewer still has probability ``1 - confidence``."""
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(k, int) or not 0 <= k <= n:
+    n, k = _count("n", n), _count("k", k)
+    if n < 1 or k > n:
         raise ValueError(f"need 0 <= k <= n and n >= 1, got {k}/{n}")
-    if not 0 < confidence < 1:
+    if isinstance(confidence, bool) or not isinstance(confidence, int | float) or not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
     if k == n:
         return 1.0
-
-    def cdf(p: float) -> float:  # P(X <= k) for X ~ Binomial(n, p): falls as p rises
-        return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
-
+    target = math.log(1 - confidence)
     lo, hi = k / n, 1.0
-    for _ in range(60):  # bisection to far below any printed digit
+    for _ in range(60):  # bisection to far below any printed digit; P(X <= k) falls as the rate rises
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) > 1 - confidence else (lo, mid)
+        lo, hi = (mid, hi) if _log_binom_cdf(k, n, mid) > target else (lo, mid)
     return hi
+
+
+MAX_NATS = 100  # a mean NLL a token beyond any model (exp(100) is a perplexity of 2.7e43); exp() overflows at 709
+EXACT_UP_TO = 1000  # discordant pairs summed as exact integers; above, in log space (a relative error near 1e-12)
 
 
 def _count(name: str, v) -> int:
@@ -101,8 +115,10 @@ def mcnemar(lost: int, gained: int) -> float:
     n = lost + gained
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
+    if n <= EXACT_UP_TO:  # exact rational arithmetic: the small counts every chapter reads give exact p-values
+        tail = sum(math.comb(n, i) for i in range(min(lost, gained) + 1)) / 2 ** n
+        return min(1.0, 2 * tail)
+    return min(1.0, 2 * math.exp(_log_binom_cdf(min(lost, gained), n, 0.5)))  # large counts: the same tail in log space
 
 
 def verdict(lost: int, gained: int, alpha: float = ALPHA) -> str:
@@ -184,9 +200,19 @@ def paired_nll(nll: list[float], ref_nll: list[float], tokens: list[int]) -> dic
     if not nll or not len(nll) == len(ref_nll) == len(tokens):
         raise ValueError(f"need one NLL per window for both formats and one token count each, got {len(nll)}, "
                          f"{len(ref_nll)} and {len(tokens)}")
+    for name, xs in (("nll", nll), ("ref_nll", ref_nll)):
+        bad = [x for x in xs if isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x < math.inf]
+        if bad:
+            raise ValueError(f"{name} must hold finite, non-negative summed NLLs, got {bad[0]!r}")
+    for t in tokens:
+        if _count("tokens", t) < 1:
+            raise ValueError(f"every window needs at least one token, got {t!r}")
     worse = sum(a > b for a, b in zip(nll, ref_nll))
     better = sum(a < b for a, b in zip(nll, ref_nll))
     tok = sum(tokens)
+    if max(sum(nll), sum(ref_nll)) / tok > MAX_NATS:
+        raise ValueError(f"a mean NLL above {MAX_NATS} nats a token is not a language model's (uniform over a "
+                         f"million-token vocabulary is 13.8): check the summed NLLs and token counts")
     ppl, ref = math.exp(sum(nll) / tok), math.exp(sum(ref_nll) / tok)
     return {"windows": len(nll), "tokens": tok, "perplexity": ppl, "ref_perplexity": ref, "increase": ppl / ref - 1,
             "worse_windows": worse, "better_windows": better, "p": mcnemar(worse, better), "verdict": verdict(worse, better)}

@@ -106,9 +106,10 @@ def test_claims_names_what_fails(capsys):
     claims({"shown": True}, show=True)
     assert "1 claim checked" in capsys.readouterr().out
     with pytest.raises(AssertionError, match=r"one is more than two \(got 1 vs 2\); zero is true\. Update"):
-        claims({"fine": True, "one is more than two": (1 > 2, "1 vs 2"), "zero is true": 0})
-    with pytest.raises(ValueError, match="true or false"):
-        claims({"many": torch.ones(3)})
+        claims({"fine": True, "one is more than two": (1 > 2, "1 vs 2"), "zero is true": 0 == 1})
+    for not_a_truth in (torch.ones(3), 1, 0, float("nan"), [1], "yes", None):  # bool() would say something for each
+        with pytest.raises(ValueError, match="true or false"):
+            claims({"a number, not a test": not_a_truth})
     with pytest.raises(ValueError, match="non-empty"):
         claims({})
 
@@ -137,8 +138,9 @@ def test_a_nan_claim_does_not_hold():
     from kvlab.check import claims
     from kvlab.facts import Facts
 
-    for bad in (float("nan"), math.inf, -math.inf):
-        with pytest.raises(AssertionError, match="ratio"):
+    for bad in (float("nan"), math.inf, -math.inf, 1.0):  # a number is not a truth value: refused, naming the claim
+        with pytest.raises(ValueError, match="ratio is positive.*true or false"):
             claims({"the ratio is positive": bad})
-        assert Facts({}, {"the ratio is positive": (bad, 0)}).failed() == {"the ratio is positive": 0}
-    claims({"a number that is not NaN holds as before": 0.5})
+        with pytest.raises(TypeError, match="ratio is positive.*true or false"):
+            Facts({}, {"the ratio is positive": (bad, 0)})
+    claims({"a comparison holds as before": 0.5 > 0})
