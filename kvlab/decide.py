@@ -380,17 +380,18 @@ def passes_screen(quality: dict, max_ppl: float) -> bool:
 THROUGHPUT_TIE = 0.02
 
 
-def choose(plans: dict[str, dict | None], rows: list[dict], tie: float = THROUGHPUT_TIE) -> dict:
+def choose(plans: dict[str, dict | None], rows: list[dict], tie: float = THROUGHPUT_TIE,
+           max_ppl: float | None = None) -> dict:
     """The format to deploy: of :func:`shortlist` (the reference aside) with a plan, the fewest GPUs; of those,
     every format within ``tie`` (a fraction) of the best modelled throughput ties, and the tie goes to the format
     the most engines offer (the one you can deploy anywhere), then to throughput.
 
-    ``plans``: format -> :func:`plan` (None: no plan holds the load); ``rows``: :func:`options`' rows.
-    Returns ``{"call": format or None, "tied": [formats tied with it, best first]}``."""
+    ``plans``: format -> :func:`plan` (None: no plan holds the load); ``rows``: :func:`options`' rows;
+    ``max_ppl``: the perplexity bar (:func:`shortlist`'s default when None). Returns ``{"call": format or None, "tied": [formats tied with it, best first]}``."""
     if not 0 <= tie < 1 or isinstance(tie, bool):
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie!r}")
     engines = {r["kv_format"]: r["engines"] for r in rows}
-    safe = [f for f in shortlist(rows) if f not in REFERENCE_FORMATS and plans.get(f)]
+    safe = [f for f in shortlist(rows, max_ppl) if f not in REFERENCE_FORMATS and plans.get(f)]
     if not safe:
         return {"call": None, "tied": []}
     fewest = min(plans[f]["gpus"] for f in safe)

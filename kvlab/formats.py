@@ -60,6 +60,11 @@ class Quantizer:
     full_range: bool = False  # symmetric ints use -2^(b-1)..2^(b-1)-1 (llama.cpp q4_0), not +-(2^(b-1)-1)
 
     def __post_init__(self):
+        for arg in ("symmetric", "full_range"):  # "no" or 0 is not a yes/no answer here
+            if not isinstance(getattr(self, arg), bool):
+                raise TypeError(f"{arg} must be True or False, got {getattr(self, arg)!r}")
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)):
+            raise TypeError(f"group_size must be an integer number of values or None, got {self.group_size!r}")
         if self.element not in ELEMENTS:
             raise ValueError(f"element must be one of {sorted(ELEMENTS)}, got {self.element!r}")
         if self.granularity not in GRANULARITIES:
@@ -69,7 +74,9 @@ class Quantizer:
                 raise ValueError(f"group granularity needs a positive integer group_size, got {self.group_size!r}")
             if self.group_axis not in ("channel", "token"):
                 raise ValueError(f"group_axis must be 'channel' or 'token', got {self.group_axis!r}")
-        if self.scale_bits not in (8, 16, 32):
+        if self.group_size is not None and self.granularity != "group":
+            raise ValueError(f"group_size is for granularity 'group'; {self.granularity!r} takes none, got {self.group_size!r}")
+        if isinstance(self.scale_bits, bool) or self.scale_bits not in (8, 16, 32):
             raise ValueError(f"scale_bits must be 8 (FP8 E4M3), 16 or 32, got {self.scale_bits!r}")
         if self.kind == "fp4" and (self.granularity != "group" or self.group_axis != "channel" or not self.symmetric):
             raise ValueError("FP4 values need symmetric scales in groups along head_dim (NVFP4: 16 values a scale)")
@@ -121,6 +128,11 @@ class KVFormat:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        for arg in ("key", "value"):  # a format name here would fail later, far from the mistake
+            if not isinstance(getattr(self, arg), Quantizer):
+                raise TypeError(f"{arg} must be a Quantizer (get_format(name).{arg} gives one), got {getattr(self, arg)!r}")
+        if not isinstance(self.rotate, bool):
+            raise TypeError(f"rotate must be True or False, got {self.rotate!r}")
         for arg in ("residual", "sinks"):
             v = getattr(self, arg)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 10**7:

@@ -185,6 +185,35 @@ def unpack_int(packed: torch.Tensor, bits: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- quantize / dequantize
 
 
+def _check_frozen(scale, zero, view: torch.Tensor, q: Quantizer) -> None:
+    """A frozen scale (and zero point) given to :func:`quantize`: tensors that broadcast over the grouped values,
+    finite, scales non-zero (positive, except llama.cpp's full-range blocks, whose sign flips the codes), and for
+    an asymmetric integer format given together (a scale without its zero point would be ignored)."""
+    if scale is None and zero is None:
+        return
+    if q.kind == "int" and not q.symmetric and (scale is None) != (zero is None):
+        raise ValueError(f"an asymmetric format needs scale and zero together, got only the "
+                         f"{'scale' if zero is None else 'zero'}")
+    if zero is not None and (q.kind != "int" or q.symmetric):
+        raise ValueError("zero is for asymmetric integer formats; this format stores no zero point")
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        try:
+            ok = torch.broadcast_shapes(tuple(t.shape), tuple(view.shape)) == tuple(view.shape)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast over the grouped values "
+                             f"{tuple(view.shape)}: use the {name} a previous quantize() returned")
+        if not torch.isfinite(t.float()).all():
+            raise ValueError(f"{name} must be finite")
+    if scale is not None and ((scale == 0).any() if q.full_range else (scale <= 0).any()):
+        raise ValueError("scale must be " + ("non-zero" if q.full_range else "positive") + " (a zero scale divides by zero)")
+
+
 def quantize(x: torch.Tensor, q: Quantizer, *, scale: torch.Tensor | None = None,
              zero: torch.Tensor | None = None) -> QTensor:
     """Quantize ``x`` with ``q``. Pass ``scale`` (and ``zero``) to reuse frozen statistics."""
@@ -196,6 +225,7 @@ def quantize(x: torch.Tensor, q: Quantizer, *, scale: torch.Tensor | None = None
         return QTensor(x.to(FLOAT_DTYPES[q.element]), None, None, shape, q, dtype)
     xs = _sanitize(x)
     view, dims = _grouped(xs, q)
+    _check_frozen(scale, zero, view, q)
     stats = _finite_stats(view)
 
     if q.kind == "fp8":
@@ -293,6 +323,8 @@ def dequantize(qt: QTensor) -> torch.Tensor:
 @torch.no_grad()
 def hadamard(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
     """Orthonormal Sylvester Hadamard matrix of size ``n`` (a power of two): ``H @ H.T = I``."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"hadamard takes the size as an integer, got {n!r}")
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard rotation needs head_dim to be a power of two, got {n}")
     h = torch.ones(1, 1, dtype=dtype, device=device)

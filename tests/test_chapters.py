@@ -101,8 +101,8 @@ def test_chapter_6s_hand_count_and_card_on_the_shipped_data():
 
     F = facts.choosing_a_format("llama-3.1-8b", "H100-80GB", "bf16", 32768, 64, list(ch6_formats()))
     H = ch6.by_hand(F)
-    # oracle: 32 layers x 2 (K, V) x 8 heads x 128 values x 2 bytes x 32,768 tokens = 4 GiB a sequence
-    assert H["per_seq_gib"] == 4.0 and H["fits"] == int(H["free_gib"] // 4)
+    # oracle: 32 layers x 2 (K, V) x 8 heads x 128 values x 2 bytes x 24,576 tokens (3/4 of 32k) = 3 GiB a sequence
+    assert H["context"] == 24576 and H["per_seq_gib"] == 3.0 and H["fits"] == int(H["free_gib"] // 3)
     card = ch6.card(F)["engine_card_md"].splitlines()
     assert len(card) == 2 + len(ch6.card_rows())
 
