@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections import Counter
 import numbers
 import re
 import sys
@@ -215,9 +216,14 @@ def _load_shape(model) -> ModelShape:
                 raise ValueError(f"model config {str(path)!r} could not be read as JSON: {e}") from None
             except RecursionError:
                 raise ValueError(f"model config {str(path)!r} nests JSON too deeply to be a config") from None
+            except ValueError:  # Python refuses to read an integer of over 4,300 digits
+                raise ValueError(f"model config {str(path)!r} holds a number too long to be a size") from None
             if not isinstance(doc, dict):
                 raise ValueError(f"model config {str(path)!r} must hold a JSON object")
-            cfg = _config_from_dict(doc)
+            try:
+                cfg = _config_from_dict(doc)
+            except ValueError as e:
+                raise ValueError(f"model config {str(path)!r}: {e}") from None
             name, source = path.parent.name or str(path), str(path)
             # a folder name that is not UTF-8 (surrogate escapes) is shown with replacement characters
             name, source = (x.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for x in (name, source))
@@ -225,7 +231,14 @@ def _load_shape(model) -> ModelShape:
                 name = "kvlab-tiny"
     else:
         raise TypeError(f"model must be a preset name, a path, a dict or a PretrainedConfig, got {type(model).__name__}")
-    shape = shape_from_config(cfg, name=name)
+    try:
+        shape = shape_from_config(cfg, name=name)
+    except ValueError as e:
+        if not source.endswith(".json"):
+            raise
+        # a config file the reader gave: name the file, then the field (the folder's name alone can be ambiguous)
+        why = str(e).removeprefix(f"config for {name!r}").removeprefix(":").strip()
+        raise ValueError(f"model config {source!r}: {why}") from None
     n_params = n_params or estimate_parameters(cfg)
     return ModelShape(shape.name, shape.layers, n_params, shape.max_position_embeddings, shape.attention, source,
                       q_heads=shape.q_heads, embedding_parameters=embedding_parameters(cfg))
@@ -454,6 +467,7 @@ def bits_held(model, context: int, kv_format) -> float:
     16-bit: the cache's bytes over a bf16 cache's, times 16. Unlike
     :meth:`~kvlab.formats.KVFormat.bits_per_element` it counts what a real cache of that length also stores:
     scales, KIVI's full-precision residual and a partial token group, windows."""
+    context = _positive_int("context", context)  # no tokens hold no bits: the ratio is undefined
     return 16 * budget(model, 1, context, kv_format).cache_bytes / budget(model, 1, context, "bf16").cache_bytes
 
 
@@ -481,20 +495,23 @@ def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, bl
     if full_precision_bits not in (16, 32):
         raise ValueError(f"full_precision_bits must be 16 or 32, got {full_precision_bits!r}")
 
-    def cache(ranks: int) -> list[int]:
-        out = []
-        for layer in shape.layers:
-            f = fmt.for_layer(layer.window)  # a per-layer-type mix stores each layer type its own way
-            held = context if layer.window is None else min(context, layer.window)
-            slots = math.ceil(held / block_size) * block_size  # paged: whole blocks
-            n_full = _full_precision_tokens(f, slots)
-            bits = (slots - n_full) * _layer_bits_per_token(layer, f, ranks, None)
-            bits += n_full * _layer_bits_per_token(layer, f, ranks, full_precision_bits)
-            static = _static_scale_bits(layer, f, batch, ranks) if slots > n_full else 0
-            out.append(math.ceil(batch * bits / 8) + static // 8)
-        return out
+    kinds = Counter(shape.layers)  # identical layers cost the same: each kind is worked out once, whatever the depth
 
-    per_token_bits = sum(_layer_bits_per_token(layer, fmt.for_layer(layer.window), 1, None) for layer in shape.layers)
+    def layer_bytes(layer: LayerSpec, ranks: int) -> int:
+        f = fmt.for_layer(layer.window)  # a per-layer-type mix stores each layer type its own way
+        held = context if layer.window is None else min(context, layer.window)
+        slots = math.ceil(held / block_size) * block_size  # paged: whole blocks
+        n_full = _full_precision_tokens(f, slots)
+        bits = (slots - n_full) * _layer_bits_per_token(layer, f, ranks, None)
+        bits += n_full * _layer_bits_per_token(layer, f, ranks, full_precision_bits)
+        static = _static_scale_bits(layer, f, batch, ranks) if slots > n_full else 0
+        return math.ceil(batch * bits / 8) + static // 8
+
+    def cache(ranks: int) -> list[int]:
+        cost = {kind: layer_bytes(kind, ranks) for kind in kinds}
+        return [cost[layer] for layer in shape.layers]
+
+    per_token_bits = sum(n * _layer_bits_per_token(kind, fmt.for_layer(kind.window), 1, None) for kind, n in kinds.items())
     per_layer = cache(1)
     return Budget(
         shape.name, fmt.name, batch, context, tp, block_size,
@@ -641,6 +658,8 @@ def max_context(model, batch: int, kv_format="bf16", gpu="H100-80GB", weights_dt
     Windowed layers stop growing, so a model of only windowed layers can reach
     ``limit``. Not capped at ``max_position_embeddings``: compare it yourself.
     """
+    limit = _positive_int("limit", limit)
+    batch = _positive_int("batch", batch)
     f = fit(model, gpu, weights_dtype, tp=tp, memory_utilization=memory_utilization, reserve_gib=reserve_gib,
             weights_gib=weights_gib)
     if f.free_for_cache_per_gpu <= 0:

@@ -666,3 +666,40 @@ def test_a_config_without_tie_word_embeddings_is_sized_one_way():
 
 def test_a_tp_size_not_logged_takes_the_largest_logged_below_it():
     assert [B.logged_size({1: 3.0, 2: 4.8}, tp) for tp in (1, 2, 3, 8)] == [1, 2, 2, 2]
+
+
+def _config_dir(tmp_path, **over):
+    import json
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "hidden_size": 256, "head_dim": 64, "vocab_size": 32000, "intermediate_size": 512} | over
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_a_bad_config_field_is_named_with_its_file(tmp_path):
+    d = _config_dir(tmp_path, num_key_value_heads=-1)
+    with pytest.raises(ValueError, match=r"model config '.*config\.json': num_key_value_heads must be > 0"):
+        B.budget(str(d), 1, 4096)
+    (d / "config.json").write_text((d / "config.json").read_text().replace("12,", "9" * 5000 + ",", 1))
+    with pytest.raises(ValueError, match=r"config\.json' holds a number too long"):
+        B.budget(str(d), 1, 4096)
+
+
+def test_a_deep_model_is_sized_per_kind_of_layer_not_per_layer(tmp_path):
+    """100,000 identical layers (the config limit): one kind of layer, worked out once. Oracle: 1 KV head x 64
+    values x 2 (K, V) x 2 bytes = 256 bytes a token a layer."""
+    d = str(_config_dir(tmp_path, num_hidden_layers=100_000))
+    assert B.budget(d, 1, 1000).cache_bytes == 100_000 * 256 * 1000
+    n = B.max_context(d, 1, "bf16", "H200", "bf16")
+    assert B.budget(d, 1, n).cache_bytes_per_gpu <= B.fit(d, "H200", "bf16").free_for_cache_per_gpu \
+        < B.budget(d, 1, n + 1).cache_bytes_per_gpu
+
+
+def test_max_context_and_bits_held_refuse_what_has_no_answer():
+    with pytest.raises(ValueError, match="limit must be > 0"):
+        B.max_context("llama-3.1-8b", 1, limit=-5)
+    with pytest.raises(ValueError, match="limit must be an integer"):
+        B.max_context("llama-3.1-8b", 1, limit=True)
+    with pytest.raises(ValueError, match="context must be > 0"):
+        B.bits_held("llama-3.1-8b", 0, "int4")

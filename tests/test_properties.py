@@ -129,3 +129,55 @@ def test_power_functions_answer_in_range_or_refuse(prompts, loss):
     assert p is None or 0 <= p <= 1
     d = answers_or_refuses(power.detectable_loss, prompts) if isinstance(prompts, int) and prompts <= 400 else None
     assert d is None or 0 < d <= 1
+
+
+# ------------------------------------------------------------------ formats and quantize (issue 45)
+
+
+def test_a_quantizer_takes_real_yes_no_and_integer_answers():
+    from kvlab.formats import KVFormat, Quantizer, get_format
+
+    for bad in (dict(granularity="group", group_size=True), dict(symmetric="no"), dict(full_range=1),
+                dict(granularity="group", group_size=32.0)):
+        with pytest.raises(TypeError, match="must be"):
+            Quantizer("int4", **bad)
+    with pytest.raises(ValueError, match="group_size is for granularity 'group'"):
+        Quantizer("int4", "token", group_size=64)
+    with pytest.raises(TypeError, match="key must be a Quantizer"):
+        KVFormat("x", key="int4", value="int4")
+    with pytest.raises(TypeError, match="rotate must be True or False"):
+        get_format("int4").with_options(rotate="yes")
+    assert get_format("int4").with_options(rotate=True).name == "int4+rotate"
+
+
+def test_hadamard_takes_an_integer_size():
+    from kvlab.quant import hadamard
+
+    with pytest.raises(TypeError, match="integer"):
+        hadamard(True)
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard(12)
+
+
+def test_a_frozen_scale_must_be_one_quantize_could_have_made():
+    import torch
+
+    from kvlab.formats import get_format
+    from kvlab.quant import dequantize, quantize
+
+    x = torch.randn(2, 3, 8, 64)
+    q8, q4 = get_format("int8_tensor").key, get_format("int4").key  # symmetric per tensor; asymmetric groups
+    first = quantize(x, q8)
+    assert torch.equal(quantize(x, q8, scale=first.scale).data, first.data)  # a previous scale is taken as is
+    for bad, why in ((first.scale * 0, "positive"), (-first.scale, "positive"), (first.scale * float("nan"), "finite"),
+                     (torch.ones(5, 7), "does not broadcast")):
+        with pytest.raises(ValueError, match=why):
+            quantize(x, q8, scale=bad)
+    with pytest.raises(TypeError, match="tensor"):
+        quantize(x, q8, scale=0.5)
+    g = quantize(x, q4)
+    with pytest.raises(ValueError, match="scale and zero together"):
+        quantize(x, q4, scale=g.scale)
+    assert torch.allclose(dequantize(quantize(x, q4, scale=g.scale, zero=g.zero)), dequantize(g))
+    with pytest.raises(ValueError, match="stores no zero point"):
+        quantize(x, q8, scale=first.scale, zero=first.scale)
