@@ -101,6 +101,21 @@ class CostModel:
     mfu: float = MFU  # kvlab.roofline: the workbook's efficiency assumptions
     mbu: float = MBU
 
+    def __post_init__(self):
+        for name in ("params", "weights_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        for name, zero_ok in (("peak_flops", True), ("bandwidth", False)):  # 0 FLOP/s: no peak listed, prefill untimed
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (v == 0 and zero_ok or 1 <= v < math.inf):
+                raise ValueError(f"{name} must be a finite number of at least 1 a second{' (or 0: none listed)' * zero_ok}, "
+                                 f"got {v!r}")
+        for name in ("mfu", "mbu"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
+                raise ValueError(f"{name} must be a fraction of peak in (0, 1], got {v!r}")
+
     def step_seconds(self, prefill_tokens: int, decode_cache_bytes: float, decoding: bool) -> float:
         t = compute_seconds(2 * self.params * prefill_tokens, self.peak_flops, self.mfu)
         if decoding:

@@ -181,3 +181,14 @@ def test_a_frozen_scale_must_be_one_quantize_could_have_made():
     assert torch.allclose(dequantize(quantize(x, q4, scale=g.scale, zero=g.zero)), dequantize(g))
     with pytest.raises(ValueError, match="stores no zero point"):
         quantize(x, q8, scale=first.scale, zero=first.scale)
+
+
+@given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5), st.booleans()),
+       st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5), st.booleans()))
+def test_a_cost_model_times_a_step_finitely_or_refuses(bandwidth, peak):
+    from kvlab.simulator import CostModel
+
+    cost = answers_or_refuses(CostModel, 1000, 2000, peak, bandwidth)
+    if cost is not None:
+        t = cost.step_seconds(10, 100.0, True)
+        assert math.isfinite(t) and t >= 0
