@@ -277,6 +277,8 @@ def pool_blocks(model, gpu, kv_format, weights_dtype="bf16", block_size=16, memo
                 pool_bytes: int | None = None) -> tuple[int, int, int]:
     """``(num_blocks, block_bytes, pool_bytes)`` for a model on a GPU (or a fixed ``pool_bytes``)."""
     block_bytes = B.budget(model, 1, block_size, kv_format).bytes_per_token * block_size
+    if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes <= 0):
+        raise ValueError(f"pool_bytes must be a positive number of bytes, got {pool_bytes!r}")
     if pool_bytes is None:
         pool_bytes = B.fit(model, gpu, weights_dtype, memory_utilization=memory_utilization).free_for_cache_per_gpu
     if pool_bytes <= 0:

@@ -59,6 +59,24 @@ def snapshot_html(widget) -> str:
     return "<div class='kvlab-snapshot'>" + head + "\n".join(parts) + "</div>"
 
 
+def _choice(panel: str, control: str, value, options):
+    """``value`` if it is one of a dropdown's ``options``; else ``ValueError`` naming the panel, the control and the
+    allowed values (ipywidgets' own "Invalid selection: value not found" names neither)."""
+    options = list(options)
+    if value not in options:
+        raise ValueError(f"{panel}: {control} {value!r} is not one of: {', '.join(map(str, options))}")
+    return value
+
+
+def _in_range(panel: str, control: str, value, low, high, integer: bool = False):
+    """``value`` if a slider can show it (``low`` to ``high``); else ``ValueError``: a slider would clamp it silently."""
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else int | float) and low <= value <= high
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{panel}: {control} must be {kind} from {low:,} to {high:,}, got {value!r}")
+    return value
+
+
 class _Panel:
     """Displays :meth:`widget` live in Jupyter, with a static snapshot beside it for exports (the book)."""
 
@@ -100,7 +118,17 @@ class BudgetExplorer(_Panel):
 
     def __init__(self, model="llama-3.1-70b", gpu="H200", kv_format="bf16", weights_dtype="fp8",
                  batch=16, context=32768, tp=1, formats=DEFAULT_FORMATS):
-        self.formats = tuple(formats)
+        P = "BudgetExplorer"
+        self.formats = tuple(get_format(f).name for f in formats)  # an unknown name: get_format lists the known ones
+        if not self.formats:
+            raise ValueError(f"{P}: formats must name at least one KV format")
+        _choice(P, "model", model, B.preset_names())
+        _choice(P, "gpu", gpu, B.gpus())
+        kv_format = _choice(P, "kv_format", get_format(kv_format).name, self.formats)
+        _choice(P, "weights_dtype", weights_dtype, ("bf16", "fp8", "int4"))
+        _choice(P, "tp", tp, (1, 2, 4, 8))
+        _in_range(P, "batch", batch, 1, 256, integer=True)
+        _in_range(P, "context", context, CONTEXTS[0], CONTEXTS[-1])
         style = {"description_width": "110px"}
         self.batch = w.IntSlider(value=batch, min=1, max=256, description="batch", style=style,
                                  continuous_update=False)
@@ -109,8 +137,7 @@ class BudgetExplorer(_Panel):
                                         readout_format=".0f")
         self.model = w.Dropdown(options=B.preset_names(), value=model, description="model", style=style)
         self.gpu = w.Dropdown(options=list(B.gpus()), value=gpu, description="GPU", style=style)
-        self.kv_format = w.Dropdown(options=list(self.formats), value=get_format(kv_format).name,
-                                    description="KV format", style=style)
+        self.kv_format = w.Dropdown(options=list(self.formats), value=kv_format, description="KV format", style=style)
         self.weights_dtype = w.Dropdown(options=["bf16", "fp8", "int4"], value=weights_dtype,
                                         description="weights", style=style)
         self.tp = w.Dropdown(options=[1, 2, 4, 8], value=tp, description="TP ranks", style=style)
@@ -206,7 +233,21 @@ class PrefixCacheExplorer(_Panel):
         from . import simulator, workloads
 
         self._sim, self._workloads = simulator, workloads.WORKLOADS
-        self.formats, self.pool_gib, self.n = tuple(formats), list(pool_gib), n_requests
+        P = "PrefixCacheExplorer"
+        formats = tuple(get_format(f).name for f in formats)
+        if not formats:
+            raise ValueError(f"{P}: formats must name at least one KV format")
+        _choice(P, "model", model, B.preset_names())
+        _choice(P, "gpu", gpu, B.gpus())
+        _choice(P, "workload", workload, self._workloads)
+        kv_format = _choice(P, "kv_format", get_format(kv_format).name, formats)
+        pool_gib = list(pool_gib)
+        if not pool_gib:
+            raise ValueError(f"{P}: pool_gib must list at least one pool size")
+        for g in pool_gib:
+            _in_range(P, "each pool_gib", g, 1 / 1024, 1 << 20)  # 1 MiB to 1 PiB
+        _in_range(P, "n_requests", n_requests, 1, 100_000, integer=True)
+        self.formats, self.pool_gib, self.n = formats, pool_gib, n_requests
         style = {"description_width": "90px"}
         self.model = w.Dropdown(options=B.preset_names(), value=model, description="model", style=style)
         self.gpu = w.Dropdown(options=list(B.gpus()), value=gpu, description="GPU", style=style)
@@ -260,6 +301,7 @@ class QuantErrorExplorer(_Panel):
 
         self._Q, self._snr, self._fq = Quantizer, snr_db, fake_quantize
         self.cap = capture
+        _in_range("QuantErrorExplorer", "layer", layer, 0, capture.num_layers - 1, integer=True)
         style = {"description_width": "90px"}
         self.layer = w.IntSlider(value=layer, min=0, max=capture.num_layers - 1, description="layer", style=style)
         self.tensor = w.ToggleButtons(options=["keys", "values"], value="keys", description="tensor", style=style)
@@ -295,8 +337,10 @@ class QuantErrorExplorer(_Panel):
         err = (x - xh).abs()[0, 0]
         with self.fig.batch_update():
             self.fig.data[0].z = err.tolist()
-        self.status.value = (f"SNR {self._snr(x, xh).item():.1f} dB, "
-                             f"{self.quantizer().bits_per_element(x.shape[-1]):.3g} bits per element")
+        snr = self._snr(x, xh).item()
+        snr_text = (f"SNR {snr:.1f} dB" if math.isfinite(snr) else "no error at all (SNR infinite)" if snr == math.inf
+                    else "SNR undefined (this tensor is all zeros: no signal)")
+        self.status.value = f"{snr_text}, {self.quantizer().bits_per_element(x.shape[-1]):.3g} bits per element"
 
     def widget(self):
         return w.VBox([w.HBox([w.VBox([self.layer, self.tensor, self.element, self.gran, self.group]), self.fig]),
@@ -388,8 +432,8 @@ class CostQualityTable(_Panel):
             quality is not None and all(v is None for v in quality.get(str(f), {}).values()))]
         if missing:
             raise ValueError(f"no measured quality for {missing}; they are not in chapter 4's sweeps")
-        if not 0 <= threshold <= 1:
-            raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+        _in_range("CostQualityTable", "threshold", threshold, 0, 1)
+        _in_range("CostQualityTable", "max_ppl_increase", max_ppl_increase, 0, 0.5)  # the slider's range
         self._rows = lambda t, p: cost_table(requests, model, gpu, formats, quality=quality, threshold=t,
                                              gpu_hour_usd=gpu_hour_usd, reference=reference, perplexity=perplexity,
                                              max_ppl_increase=p, needle=needle)

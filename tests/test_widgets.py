@@ -148,3 +148,36 @@ def test_cost_quality_table_with_paired_verdicts_has_only_the_perplexity_slider(
         CostQualityTable(S.few_shot(n=20), "llama-3.1-8b", "L4", ["q4_0"], needle=needle)
     with pytest.raises(ValueError, match="give the measured quality"):
         CostQualityTable(S.few_shot(n=20), "llama-3.1-8b", "L4", ["int4"])
+
+
+def test_a_panel_names_the_control_and_the_allowed_values_of_a_bad_argument():
+    """ipywidgets would say "Invalid selection: value not found", or clamp a slider's value without a word."""
+    from kvlab.widgets import PrefixCacheExplorer
+
+    for kw, what in ((dict(model="nope"), "model 'nope' is not one of: .*llama-3.1-8b"),
+                     (dict(tp=3), "tp 3 is not one of: 1, 2, 4, 8"), (dict(formats=()), "formats must name at least one KV format"),
+                     (dict(batch=0), "batch must be an integer from 1 to 256"),
+                     (dict(context=1e12), "context must be a number from 512"),
+                     (dict(kv_format="int4"), "kv_format 'int4' is not one of: bf16, fp8_e4m3, int8")):
+        with pytest.raises(ValueError, match="BudgetExplorer: " + what):
+            BudgetExplorer(**({"formats": ("bf16", "fp8_e4m3", "int8")} if "kv_format" in kw else {}) | kw)
+    with pytest.raises(ValueError, match="unknown KV format|not a known"):
+        BudgetExplorer(formats=("bf16", "nope"))
+    with pytest.raises(ValueError, match="PrefixCacheExplorer: workload 'nope' is not one of"):
+        PrefixCacheExplorer(workload="nope")
+    with pytest.raises(ValueError, match="each pool_gib must be a number"):
+        PrefixCacheExplorer(pool_gib=(0, 1))
+
+
+def test_an_all_zero_capture_says_the_snr_is_undefined():
+    import torch
+
+    from kvlab.models import Capture
+    from kvlab.widgets import QuantErrorExplorer
+
+    z = [torch.zeros(1, 2, 16, 64) for _ in range(2)]
+    cap = Capture(z, z, [torch.randn(1, 4, 16, 64)] * 2, None, [0.125] * 2)
+    e = QuantErrorExplorer(cap)
+    assert "nan" not in e.status.value.lower() and "undefined" in e.status.value
+    with pytest.raises(ValueError, match="QuantErrorExplorer: layer must be an integer from 0 to 1, got 99"):
+        QuantErrorExplorer(cap, layer=99)
