@@ -854,8 +854,12 @@ def compare(endpoints: list[Endpoint], tok, journal: str | Path, *, task: str = 
 
 def load(path: str | Path) -> dict:
     """A side-by-side JSON written by ``kvlab niah --endpoint ... --out``."""
-    doc = json.loads(Path(path).read_text())
-    if not isinstance(doc, dict) or not {"task", "teacher", "results"} <= set(doc):
-        raise ValueError(f"{path} is not a kvlab endpoint side-by-side (needs task, teacher, results)")
+    from .paths import load_json, shown_path
+
+    doc = load_json(path, "side-by-side")
+    if missing := sorted({"task", "teacher", "results"} - set(doc)):
+        raise ValueError(f"side-by-side {shown_path(path)}: not a kvlab endpoint side-by-side (missing {', '.join(missing)})")
+    if not isinstance(doc["results"], dict) or not all(isinstance(r, dict) for r in doc["results"].values()):
+        raise ValueError(f"side-by-side {shown_path(path)}: results must map each server to its result")
     return doc
 

@@ -130,22 +130,42 @@ def read_text(path: str | Path, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> s
     return text
 
 
+def parse_json(text: str, what: str):
+    """Strict JSON (no NaN or Infinity, which no result of ours holds), or ``ValueError`` starting with ``what``."""
+    def no_constant(name):
+        raise ValueError(f"holds {name}, which strict JSON has not")
+    try:
+        return json.loads(text, parse_constant=no_constant)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: not JSON ({e.msg}, line {e.lineno})") from None
+    except (ValueError, RecursionError) as e:  # a constant above, a 5,000-digit integer, nesting too deep to read
+        why = ("nested too deeply" if isinstance(e, RecursionError) else str(e) if str(e).startswith("holds ")
+               else "a number too long to read")
+        raise ValueError(f"{what}: {why}") from None
+
+
+def load_json(path: str | Path, what: str, max_bytes: int = MAX_TEXT_BYTES) -> dict:
+    """A JSON object from a file, read as :func:`read_text` reads (a regular file, at most ``max_bytes``) and parsed
+    strictly; every error is a ``ValueError`` naming ``what`` and the file."""
+    doc = parse_json(read_text(path, what, max_bytes), f"{what} {shown_path(path)}")
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} {shown_path(path)}: holds a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
 def read_json(path: str | Path, flag: str, shape: dict[str, type]) -> dict:
     """A JSON result file a script resumes from, or ``ValueError`` naming ``flag``: read as :func:`read_text`
     reads, a JSON object, and each key of ``shape`` that it holds of that type (a file some other program
     wrote is refused, not half-resumed)."""
     text = read_text(path, flag)
-
-    def no_constant(name):  # json.loads takes NaN and Infinity, which no result of ours holds (write_json refuses them)
-        raise ValueError(f"holds {name}, which strict JSON has not")
     try:
-        doc = json.loads(text, parse_constant=no_constant)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} {shown_path(path)}: not JSON ({e.msg}, line {e.lineno}); move it away") from None
-    except (ValueError, RecursionError) as e:  # a constant above, a 5,000-digit integer, nesting too deep to read
-        why = ("nested too deeply" if isinstance(e, RecursionError) else str(e) if str(e).startswith("holds ")
-               else "a number too long to read")
-        raise ValueError(f"{flag} {shown_path(path)}: not a result this script wrote ({why}); move it away") from None
+        doc = parse_json(text, f"{flag} {shown_path(path)}")
+    except ValueError as e:
+        msg = str(e)
+        if ": not JSON (" in msg:
+            raise ValueError(f"{msg}; move it away") from None
+        head, _, why = msg.rpartition(": ")
+        raise ValueError(f"{head}: not a result this script wrote ({why}); move it away") from None
     wrong = [k for k, t in shape.items() if k in doc and not isinstance(doc[k], t)] if isinstance(doc, dict) else None
     if wrong is None or wrong:
         raise ValueError(f"{flag} {shown_path(path)}: not a result this script wrote"

@@ -239,13 +239,12 @@ class LongSweep:
     @classmethod
     def load(cls, path: str | Path | None = None) -> LongSweep:
         """Read and check a sweep file; a malformed one is refused with the line that is wrong."""
+        from .paths import read_text
+
         path = Path(path) if path is not None else LONG_SWEEP
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_long.py to create it")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} is not a JSON Lines sweep: not UTF-8 ({e.reason})") from None
+        text = read_text(path, "long sweep")  # a regular file of at most 64 MiB, UTF-8 (the shipped ones: under 2 MiB)
         lines = []
         for i, x in enumerate(text.splitlines(), start=1):
             if not x.strip():
@@ -274,6 +273,8 @@ class LongSweep:
             cls._check(r, known, at)
             key = (r["stage"], r["length"], r["depth"], r["index"])
             if not r.get("added"):
+                if key in where:  # a resumed run that wrote a prompt twice: which outcome is right is unknowable
+                    raise ValueError(f"{at}: the prompt {key} is already recorded on an earlier line")
                 where[key] = len(records)
                 records.append(r)
                 continue
@@ -652,6 +653,22 @@ def verdict_markdown(sweeps: dict[str, LongSweep], formats: list[str], stage: st
 
 # --------------------------------------------------------------------------- per-cell results
 
+
+def check_cell(r, where: str) -> None:
+    """One exact-match cell ``{length, depth, trials, correct}``: positive length and trials, a depth in [0, 1],
+    ``0 <= correct <= trials``; ``ValueError`` naming ``where`` and the field."""
+    if not isinstance(r, dict):
+        raise ValueError(f"{where}: a cell must be an object {{length, depth, trials, correct}}, got {type(r).__name__}")
+    for k in ("length", "trials", "correct"):
+        _count(f"{where}.{k}", r.get(k))
+    if r["length"] < 1 or r["trials"] < 1:
+        raise ValueError(f"{where}: length and trials must be positive, got {r['length']} and {r['trials']}")
+    if r["correct"] > r["trials"]:
+        raise ValueError(f"{where}: correct {r['correct']} is more than its {r['trials']} trials")
+    d = r.get("depth")
+    if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 1:
+        raise ValueError(f"{where}.depth must be a number in [0, 1], got {d!r}")
+
 @dataclass
 class EvalResult:
     """Exact-match counts per (length, depth) cell of one task, model and KV format."""
@@ -661,6 +678,16 @@ class EvalResult:
     kv_format: str
     rows: list[dict] = field(default_factory=list)  # {length, depth, trials, correct}
     meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.rows, list):
+            raise ValueError(f"rows must be a list of cells, got {type(self.rows).__name__}")
+        seen = set()
+        for i, r in enumerate(self.rows):
+            check_cell(r, f"rows[{i}]")
+            if (r["length"], r["depth"]) in seen:  # a cell counted twice would weigh double in every pooled rate
+                raise ValueError(f"rows[{i}]: the cell length={r['length']}, depth={r['depth']} appears twice")
+            seen.add((r["length"], r["depth"]))
 
     def accuracy(self, length: int | None = None, depth: float | None = None, min_length: int | None = None) -> float:
         """Exact match pooled over the cells that match (all of them by default)."""
@@ -690,11 +717,21 @@ class EvalResult:
 
     @classmethod
     def load(cls, path: str | Path) -> EvalResult:
-        doc = json.loads(Path(path).read_text())
-        missing = {"task", "model", "kv_format", "rows"} - set(doc)
-        if missing:
-            raise ValueError(f"{path} is not an EvalResult (missing {sorted(missing)})")
-        return cls(**doc)
+        """Read a result :meth:`save` wrote; a file of another shape is refused naming the file and the field."""
+        from .paths import load_json, shown_path
+
+        doc = load_json(path, "eval result")
+        fields = {"task": str, "model": str, "kv_format": str, "rows": list, "meta": dict}
+        if missing := sorted({"task", "model", "kv_format", "rows"} - set(doc)):
+            raise ValueError(f"eval result {shown_path(path)}: not an EvalResult (missing {', '.join(missing)})")
+        if extra := sorted(set(doc) - set(fields)):
+            raise ValueError(f"eval result {shown_path(path)}: unknown fields {', '.join(extra)}")
+        if wrong := [k for k, t in fields.items() if k in doc and not isinstance(doc[k], t)]:
+            raise ValueError(f"eval result {shown_path(path)}: {', '.join(wrong)} of the wrong type")
+        try:
+            return cls(**doc)
+        except ValueError as e:
+            raise ValueError(f"eval result {shown_path(path)}: {e}") from None
 
     def figure(self, title: str | None = None):
         import plotly.graph_objects as go
@@ -719,19 +756,21 @@ def load_sweep(path: str | Path | None = None) -> dict:
     Each format's passkey cells come back as :class:`EvalResult` objects too:
     ``passkey_result`` (filler haystack) and ``prose_result`` (held-out prose).
     """
+    from .paths import load_json, shown_path
+
     path = Path(path) if path is not None else SWEEP_PATH
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; run scripts/sweep_evals.py to create it")
-    try:
-        doc = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not a JSON eval sweep: {e}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("formats"), dict):
-        raise ValueError(f"{path} is not an eval sweep (no 'formats' mapping)")
+    doc = load_json(path, "eval sweep")
+    if not isinstance(doc.get("formats"), dict) or not all(isinstance(r, dict) for r in doc["formats"].values()):
+        raise ValueError(f"eval sweep {shown_path(path)}: not an eval sweep (no 'formats' mapping of objects)")
     model = doc.get("model", "?")
     for name, row in doc["formats"].items():
-        row["passkey_result"] = EvalResult("passkey", model, name, row.get("passkey", []))
-        row["prose_result"] = EvalResult("passkey", model, name, row.get("passkey_prose", []))
+        for key, out in (("passkey", "passkey_result"), ("passkey_prose", "prose_result")):
+            try:
+                row[out] = EvalResult("passkey", model, name, row.get(key, []))
+            except ValueError as e:
+                raise ValueError(f"eval sweep {shown_path(path)}: formats.{name}.{key}: {e}") from None
     return doc
 
 

@@ -192,3 +192,70 @@ def test_a_cost_model_times_a_step_finitely_or_refuses(bandwidth, peak):
     if cost is not None:
         t = cost.step_seconds(10, 100.0, True)
         assert math.isfinite(t) and t >= 0
+
+
+# ------------------------------------------------------------------ loaders of shipped results (issue 45)
+
+HOSTILE_JSON = {"a list": "[1, 2]", "a number": "3", "NaN": '{"x": NaN}', "deep nesting": "[" * 100_000 + "]" * 100_000,
+                "a 5,000-digit integer": '{"x": ' + "9" * 5000 + "}", "not UTF-8": b"\xff\xfe{}", "empty": ""}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_JSON))
+def test_every_json_loader_refuses_what_is_not_its_file_and_names_the_file(tmp_path, name):
+    from kvlab.endpoint import load as load_side_by_side
+    from kvlab.results import EvalResult, load_sweep
+
+    f = tmp_path / "x.json"
+    text = HOSTILE_JSON[name]
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    for load in (EvalResult.load, load_sweep, load_side_by_side):
+        with pytest.raises(ValueError, match="x.json"):
+            load(f)
+
+
+def test_loaders_refuse_a_folder_and_a_device(tmp_path):
+    from kvlab.results import EvalResult, LongSweep, load_sweep
+
+    for load in (EvalResult.load, load_sweep, LongSweep.load):
+        for path in (tmp_path, "/dev/zero"):
+            with pytest.raises(ValueError, match="not a regular file"):
+                load(path)
+
+
+def test_an_eval_result_refuses_impossible_cells_naming_the_field(tmp_path):
+    import json
+
+    from kvlab.results import EvalResult
+
+    cell = {"length": 512, "depth": 0.5, "trials": 5, "correct": 3}
+    for bad, why in ((cell | {"correct": 6}, "correct 6 is more than its 5 trials"), (cell | {"trials": 0}, "positive"),
+                     (cell | {"depth": float("nan")}, "depth must be a number in"), (cell | {"length": "512"}, "length"),
+                     ([cell, cell], "appears twice")):
+        with pytest.raises(ValueError, match=why):
+            EvalResult("passkey", "m", "int4", bad if isinstance(bad, list) else [bad])
+    f = tmp_path / "r.json"
+    for doc, why in (({"task": "p", "model": "m", "kv_format": "f", "rows": [], "extra": 1}, "unknown fields extra"),
+                     ({"task": "p", "model": "m", "kv_format": "f", "rows": {}}, "rows of the wrong type"),
+                     ({"task": "p", "model": "m", "kv_format": "f", "rows": [cell | {"correct": 9}]}, "rows\\[0\\]")):
+        f.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match="r.json.*" + why):
+            EvalResult.load(f)
+    assert EvalResult.load(_saved(tmp_path, cell)).accuracy() == 0.6
+
+
+def _saved(tmp_path, cell):
+    from kvlab.results import EvalResult
+
+    EvalResult("passkey", "m", "int4", [cell]).save(tmp_path / "ok.json")
+    return tmp_path / "ok.json"
+
+
+def test_a_long_sweep_with_one_prompt_written_twice_is_refused(tmp_path):
+    from kvlab.results import LONG_SWEEPS, LongSweep
+
+    lines = LONG_SWEEPS["smollm2-135m"].read_text().splitlines()
+    record = next(x for x in lines[1:] if '"kind"' not in x)
+    f = tmp_path / "s.jsonl"
+    f.write_text("\n".join(lines + [record]) + "\n")
+    with pytest.raises(ValueError, match="already recorded on an earlier line"):
+        LongSweep.load(f)

@@ -267,7 +267,7 @@ def test_a_sweep_without_header_or_file_is_refused(tmp_path):
         with pytest.raises(ValueError, match=msg):
             R.LongSweep.load(p)
     p.write_bytes(b"\xff\xfe")
-    with pytest.raises(ValueError, match="not UTF-8"):
+    with pytest.raises(ValueError, match="cannot read it as UTF-8"):
         R.LongSweep.load(p)
     with pytest.raises(FileNotFoundError, match="sweep_long"):
         R.LongSweep.load(tmp_path / "missing.jsonl")
