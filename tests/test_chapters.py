@@ -110,3 +110,16 @@ def test_chapter_6s_hand_count_and_card_on_the_shipped_data():
 def ch6_formats():
     return ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_tensor", "lmdeploy-int8", "q8_0", "kivi-4", "int4", "q4_0",
             "int4_tensor")
+
+
+# ------------------------------------------------------------------ chapter 5
+
+
+def test_chapter_5s_hand_counts_are_the_arithmetic():
+    """Oracle: a 16-token FP8 block of Llama-3.1-8B is 16 x 32 layers x 2 x 8 heads x 128 x 1 byte = 1 MiB, so
+    10 GiB holds 10,240; INT4's 4.5 bits against BF16's 16 make 2 GiB of INT4 blocks 7.1 GiB in BF16."""
+    from kvlab.chapters import prefix_cache as ch5
+
+    H = ch5.by_hand(facts.prefix_cache())
+    assert H["block_mib"] == 1 and H["blocks"] == 10_240
+    assert H["bf16_gib"] == pytest.approx(2 * 16 / 4.5)
