@@ -471,6 +471,16 @@ def bits_held(model, context: int, kv_format) -> float:
     return 16 * budget(model, 1, context, kv_format).cache_bytes / budget(model, 1, context, "bf16").cache_bytes
 
 
+def check_layer_types(model, kv_format) -> None:
+    """``ValueError`` when ``kv_format`` mixes formats by layer type (``int4@sliding``) and ``model`` has no layer
+    of a type it names: such a format would quantize nothing, or fail at the first request."""
+    shape, fmt = load_shape(model), get_format(kv_format)
+    present = {"sliding_attention" if layer.window else "full_attention" for layer in shape.layers}
+    if missing := [t for t, _ in fmt.layers if t not in present]:
+        raise ValueError(f"kv_format {fmt.name!r} quantizes {missing[0].replace('_', ' ')} layers; "
+                         f"{shape.name} has none")
+
+
 def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, block_size: int = 1,
            full_precision_bits: int = 16) -> Budget:
     """Cache bytes for ``batch`` sequences of ``context`` tokens each.
@@ -483,10 +493,7 @@ def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, bl
     """
     shape = load_shape(model)
     fmt = get_format(kv_format)
-    present = {"sliding_attention" if layer.window else "full_attention" for layer in shape.layers}
-    if missing := [t for t, _ in fmt.layers if t not in present]:
-        raise ValueError(f"kv_format {fmt.name!r} quantizes {missing[0].replace('_', ' ')} layers; "
-                         f"{shape.name} has none")
+    check_layer_types(shape, fmt)
     batch = _positive_int("batch", batch)
     context = _positive_int("context", context, zero_ok=True)
     tp = _positive_int("tp", tp)

@@ -161,6 +161,14 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(repr(k[:40]) for k in keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
+def _route(target: str) -> str:
+    """A request target's path: the absolute form (``http://host:port/health``, which RFC 9112 3.2.2 says a server
+    must accept) and the origin form (``/health``) name the same route; a query string does not change it."""
+    if target.lower().startswith(("http://", "https://")):
+        target = "/" + target.split("://", 1)[1].partition("/")[2]
+    return target.split("?", 1)[0]
+
+
 class _Handler(BaseHTTPRequestHandler):
     """HTTP for one :class:`CompletionServer` (``server.kvlab``): validation here, the model in the server."""
 
@@ -325,7 +333,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         srv = self.server.kvlab
         self._have_read()
-        route = self.path.split("?", 1)[0]  # a query string (a cache-buster, a probe's tag) does not change the route
+        route = _route(self.path)
         if route == "/health":
             return self._send(200, {"status": "ok"})
         if route == "/v1/models":
@@ -398,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._body()
             # from here a shutdown waits until this request's answer (a 503 if cut short) is written
             answer.enter_context(srv.answering())
-            route = self.path.split("?", 1)[0]
+            route = _route(self.path)
             if route == "/v1/completions":
                 return self._send(200, srv.complete(body, gone=self._client_gone))
             if route == "/tokenize":
@@ -510,6 +518,9 @@ class CompletionServer:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{arg} must be a positive integer, got {v!r}")
         self.model, self.tok, self.fmt = model, tok, get_format(kv_format)
+        from .budget import check_layer_types
+
+        check_layer_types(model.config, self.fmt)  # refused at start, not with a 500 at every request
         self.name = name or Path(str(getattr(model.config, "_name_or_path", "") or "kvlab")).name or "kvlab"
         self.prefill_mode, self.max_tokens = prefill_mode, max_tokens
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", 8192)

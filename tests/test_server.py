@@ -51,6 +51,22 @@ def test_start_twice_is_one_server_and_close_leaves_no_thread(shipped):
     assert not [t for t in threading.enumerate() if t.name == f"kvlab-serve-{s.port}"]
 
 
+def test_a_format_for_layers_the_model_lacks_is_refused_at_start(shipped):
+    """kvlab-tiny has no sliding-window layers: int4@sliding would quantize nothing (it answered every request with
+    a 500 before)."""
+    model, tok = shipped
+    with pytest.raises(ValueError, match="quantizes sliding attention layers; .* has none"):
+        S.CompletionServer(model, tok, "int4@sliding")
+
+
+def test_the_absolute_form_of_a_request_target_names_the_same_route(srv):
+    """RFC 9112 3.2.2: a server must accept ``GET http://host:port/health`` as it accepts ``GET /health``."""
+    for target in (f"http://{srv.host}:{srv.port}/health", f"HTTP://{srv.host}:{srv.port}/health?probe=1"):
+        out = _raw(srv, f"GET {target} HTTP/1.1\r\nHost: {srv.host}\r\nConnection: close\r\n\r\n".encode())
+        assert out.startswith(b"HTTP/1.") and b" 200 " in out.split(b"\r\n")[0], out[:80]
+    assert S._route("http://h:1") == "/" and S._route("/v1/models?x") == "/v1/models"
+
+
 def test_the_model_id_is_a_name_not_a_path(shipped):
     model, tok = shipped
     s = S.CompletionServer(model, tok, "fp32")
