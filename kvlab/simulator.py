@@ -320,6 +320,12 @@ def simulate(requests: list[Request], model="llama-3.1-8b", gpu="H100-80GB", kv_
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     _check_requests(requests, block_size)
     shape = B.load_shape(model)
+    window = shape.max_position_embeddings
+    if window and (too_long := [r for r in requests if r.prompt_len + r.output_len > window]):
+        r = too_long[0]
+        raise ValueError(f"{len(too_long)} of {len(requests)} requests are longer than {shape.name}'s context of "
+                         f"{window:,} tokens, which an engine would refuse; the first is request {r.rid} (a trace's "
+                         f"line): {r.prompt_len:,} + {r.output_len:,} tokens. Replay them on a model with a longer context")
     nb, block_bytes, pbytes = pool_blocks(model, gpu, kv_format, weights_dtype, block_size,
                                           memory_utilization, pool_bytes)
     if num_blocks is not None:  # for experiments: an explicit pool size in blocks

@@ -351,3 +351,12 @@ def test_cost_table_with_paired_needle_verdicts_per_model():
             S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], needle=bad)
     with pytest.raises(ValueError, match="perplexity increases must be finite"):
         S.cost_table(reqs, "llama-3.1-8b", "L4", ["int4"], perplexity={"int4": {"A": float("inf")}})
+
+
+def test_a_request_longer_than_the_models_context_is_refused_not_replayed():
+    from kvlab.simulator import Request, simulate
+
+    reqs = [Request(0.0, 1000, 10, [], rid=1), Request(0.1, 8190, 10, [], rid=7)]  # 8,200 tokens > SmolLM2's 8,192
+    with pytest.raises(ValueError, match=r"1 of 2 requests are longer than .*8,192 tokens.*request 7.*8,190 \+ 10"):
+        simulate(reqs, "smollm2-135m", "H100-80GB", "int4")
+    assert simulate(reqs[:1], "smollm2-135m", "H100-80GB", "int4").summary()["requests"] == 1
