@@ -27,10 +27,10 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections import Counter
 import numbers
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 

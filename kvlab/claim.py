@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 
 def holds(truth) -> bool:
     """Whether a claim holds: its value must be a real boolean (Python's, numpy's, or a one-element boolean tensor).

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -273,6 +274,10 @@ def load_model(name_or_path: str | Path | None = None, *, dtype: torch.dtype | N
     try:
         tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickle that would run code: it did not run
+        raise ValueError(f"could not load model {str(src)!r}: its pickled weights (pytorch_model.bin) hold objects "
+                         "that are not plain tensors, and kvlab loads pickles only as tensors; save the model as "
+                         "safetensors (model.save_pretrained(folder) where you trust the file)") from None
     except (OSError, ValueError) as e:
         raise ValueError(
             f"could not load model {str(src)!r}: {str(e).splitlines()[0]} "

@@ -150,3 +150,24 @@ def test_capture_keeps_every_token_of_a_sliding_window_layer(tiny_gemma3):
     assert all(math.isfinite(r[m]) for r in rows for m in ("k_snr_db", "logit_rmse", "output_rel_error"))
     with pytest.raises(ValueError, match="20 queries but only 8 keys"):
         attention_logits(cap.queries[0], cap.keys[0][..., -8:, :])
+
+
+def test_a_pickled_checkpoint_with_code_in_it_is_refused_in_one_line(tmp_path):
+    """torch.load(weights_only=True) refuses the payload (it never runs); the reader gets one line, not a traceback."""
+    import shutil
+
+    import torch
+
+    from kvlab.models import load_model
+    from kvlab.paths import DATA_DIR
+
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DATA_DIR / "model" / f, tmp_path / f)
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("the payload ran",))
+
+    torch.save({"x": Payload()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pickled weights .* not plain tensors"):
+        load_model(str(tmp_path))

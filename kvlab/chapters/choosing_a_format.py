@@ -9,7 +9,15 @@ values directly.
 from __future__ import annotations
 
 from .. import budget as B
-from ..decide import REFERENCE_FORMATS, _quality, choose, passes_screen, pct, short_model_name, short_needle
+from ..decide import (
+    REFERENCE_FORMATS,
+    _quality,
+    choose,
+    passes_screen,
+    pct,
+    short_model_name,
+    short_needle,
+)
 from ..facts import Facts
 from ..formats import engine_table, get_format
 from ..tables import markdown
