@@ -533,8 +533,10 @@ def run_ladder(endpoints: list[Endpoint], prompts: list[Prompt], journal: str | 
             next(ep for ep in endpoints if ep.url == url).__dict__.setdefault("_answered_as", rec["answered_as"])
     for ep in endpoints:  # the key names the prompt, so its cell comes from the prompt, not from the journal line
         for p in prompts:
-            if (ep.url, p.key) in done:
-                done[ep.url, p.key] |= {f: getattr(p, f) for f in ("task", "length", "depth", "trial", "answer")}
+            if (ep.url, p.key) in done:  # and its correctness from its stored text, not from the journal's flag
+                rec = done[ep.url, p.key]
+                rec |= {f: getattr(p, f) for f in ("task", "length", "depth", "trial", "answer")}
+                rec["correct"] = exact_match(rec["text"], p.answer)
     todo = [(ep, p) for ep in endpoints for p in prompts if (ep.url, p.key) not in done]
     k = top_logprobs or None
 
@@ -632,16 +634,19 @@ def agreement(teacher: dict, student: dict) -> dict | None:
     n = min(len(ta), len(sa))
     first = next((i for i in range(n) if ta[i] != sa[i]), None)
     upto = (first if first is not None else n - 1) + 1  # same context up to and including the divergence
-    kls, top1 = [], []
+    kls, top1, floored = [], [], 0
     for i in range(min(upto, len(tt), len(st))):
         if not tt[i] or not st[i]:
             continue
-        kls.append(_topk_kl(tt[i], st[i]))
         top1.append(max(tt[i], key=tt[i].get) == max(st[i], key=st[i].get))
-    if not kls:
+        if LOGPROB_FLOOR in tt[i].values() or LOGPROB_FLOOR in st[i].values():
+            floored += 1  # a zero probability (-Infinity, reported as the floor) has no finite KL: left out, counted
+            continue
+        kls.append(_topk_kl(tt[i], st[i]))
+    if not top1:
         return None
-    return {"kl": sum(kls) / len(kls), "top1": sum(top1) / len(top1), "first_divergence": first,
-            "identical": first is None and len(ta) == len(sa)}
+    return {"kl": sum(kls) / len(kls) if kls else None, "top1": sum(top1) / len(top1), "first_divergence": first,
+            "identical": first is None and len(ta) == len(sa), "kl_tokens": len(kls), "floored_tokens": floored}
 
 
 def _result(records: list[dict], label: str, task: str) -> EvalResult:
@@ -693,7 +698,8 @@ def side_by_side(records: list[dict], teacher_url: str, student_url: str | None 
         doc["paired"] = _paired(doc["disagreements"], [t[k]["length"] for k in both])
         ag = [a for k in both if (a := agreement(t[k], s[k])) is not None]
         doc["agreement"] = None if not ag else {
-            "prompts": len(ag), "mean_topk_kl": sum(a["kl"] for a in ag) / len(ag),
+            "prompts": len(ag), "mean_topk_kl": _mean_or_none([a["kl"] for a in ag if a["kl"] is not None]),
+            "floored_tokens": sum(a["floored_tokens"] for a in ag),
             "top1_agreement": sum(a["top1"] for a in ag) / len(ag),
             "identical_greedy": sum(a["identical"] for a in ag),
             "median_first_divergence": _or_none(statistics.median, [a["first_divergence"] for a in ag
@@ -773,8 +779,12 @@ def markdown(doc: dict) -> str:
                 + (f"{r['detectable_loss']:.0%} of prompts" if r.get("detectable_loss") else "none (too few prompts)")
                 for n, r in pr.items()) + ". Run more prompts to rule out smaller losses.")
         if a:
-            out += (f" Over {a['prompts']} prompts: top-k KL {a['mean_topk_kl']:.4f} nats, top-1 agreement "
+            kl = "n/a (every token had a zero probability)" if a["mean_topk_kl"] is None else f"{a['mean_topk_kl']:.4f} nats"
+            out += (f" Over {a['prompts']} prompts: top-k KL {kl}, top-1 agreement "
                     f"{a['top1_agreement']:.0%}, identical greedy text {a['identical_greedy']}.")
+            if a.get("floored_tokens"):
+                out += (f" {a['floored_tokens']} tokens where a server reported a zero probability (-Infinity) are "
+                        "left out of the KL, which is infinite there.")
     return out
 
 

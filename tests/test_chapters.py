@@ -117,9 +117,9 @@ def ch6_formats():
 
 def test_chapter_5s_hand_counts_are_the_arithmetic():
     """Oracle: a 16-token FP8 block of Llama-3.1-8B is 16 x 32 layers x 2 x 8 heads x 128 x 1 byte = 1 MiB, so
-    10 GiB holds 10,240; INT4's 4.5 bits against BF16's 16 make 2 GiB of INT4 blocks 7.1 GiB in BF16."""
+    10 GiB holds 10,240; INT4's 4.5 bits against FP8's 8 make 3 GiB of FP8 blocks 1.6875 GiB in INT4."""
     from kvlab.chapters import prefix_cache as ch5
 
     H = ch5.by_hand(facts.prefix_cache())
     assert H["block_mib"] == 1 and H["blocks"] == 10_240
-    assert H["bf16_gib"] == pytest.approx(2 * 16 / 4.5)
+    assert H["int4_gib"] == pytest.approx(3 * 4.5 / 8)

@@ -454,6 +454,30 @@ def test_a_journal_line_with_damaged_cell_fields_is_read_from_its_prompt(stub, t
     assert [(r["length"], r["depth"], r["trial"]) for r in recs] == [(p.length, p.depth, p.trial) for p in _prompts(2)]
 
 
+def test_a_resumed_run_grades_each_stored_answer_again_not_its_flag(stub, tmp_path):
+    """A journal line saying correct: true over a text without the key is graded from its text (it was trusted)."""
+    s = stub(lambda n: (200, _completion()))
+    journal = tmp_path / "j.jsonl"
+    first = E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
+    assert all(r["correct"] for r in first)
+    lines = [json.loads(x) for x in journal.read_text().splitlines()]
+    lines[0]["text"] = "no key here"  # the flag still says correct
+    journal.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    recs = E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
+    assert s.count == 2 and [r["correct"] for r in recs] == [False, True]
+
+
+def test_a_zero_probability_is_left_out_of_the_kl_and_counted():
+    """-Infinity arrives as the floor (-9999): a KL over it is ~9,990 nats of nothing; the token is left out."""
+    t = {"tokens": ["a", "b"], "top_logprobs": [{"a": -0.1, "b": -2.4}, {"b": -0.2, "c": -1.7}]}
+    s = {"tokens": ["a", "b"], "top_logprobs": [{"a": -0.1, "b": E.LOGPROB_FLOOR}, {"b": -0.3, "c": -1.4}]}
+    a = E.agreement(t, s)
+    assert a["floored_tokens"] == 1 and a["kl_tokens"] == 1 and a["top1"] == 1.0
+    assert 0 <= a["kl"] < 0.1  # the second token only: a small, finite KL
+    s["top_logprobs"][1] = {"b": E.LOGPROB_FLOOR, "c": -0.1}
+    assert E.agreement(t, s)["kl"] is None  # every token floored: no KL to report, not 9,990 nats
+
+
 def test_a_server_message_cannot_drive_the_terminal_or_break_the_output(stub):
     s = stub(lambda n: (400, {"error": {"message": "bad \ud800 \x1b[2J\x1b[31mRED\nkvlab: all good"}}))
     with pytest.raises(E.EndpointError) as e:
