@@ -123,8 +123,8 @@ def preset_names() -> list[str]:
 
 def _gib(name: str, value, *, positive: bool = False) -> float:
     """A number of GiB: finite, at least 0 (above 0 with ``positive``), at most a million."""
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
-            or (positive and value == 0) or value > 1e6):
+    if (isinstance(value, bool) or not isinstance(value, int | float) or value > 1e6 or not math.isfinite(value)
+            or value < 0 or (positive and value == 0)):  # (a 400-digit int is compared before math.isfinite sees it)
         raise ValueError(f"{name} must be a finite number of GiB{' above 0' if positive else ', 0 or more'} "
                          f"(at most 1e6), got {value!r}")
     return float(value)
@@ -137,6 +137,9 @@ def _fraction(name: str, value) -> float:
     return float(value)
 
 
+MAX_INT = 1 << 40  # any count or size here (a batch, a context, a block): a trillion is past every real deployment
+
+
 def _positive_int(name: str, value, *, zero_ok: bool = False) -> int:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{name} must be a finite integer, got {value!r}")
@@ -145,6 +148,8 @@ def _positive_int(name: str, value, *, zero_ok: bool = False) -> int:
     value = int(value)
     if value < 0 or (value == 0 and not zero_ok):
         raise ValueError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+    if value > MAX_INT:
+        raise ValueError(f"{name} must be at most {MAX_INT:,}, got {str(value)[:30]}{'...' if value >= 10**30 else ''}")
     return value
 
 
@@ -181,6 +186,8 @@ def _load_shape(model) -> ModelShape:
         cfg = model
         name = getattr(cfg, "_name_or_path", "") or cfg.model_type
     elif isinstance(model, dict):
+        if bad := [k for k in model if not isinstance(k, str)]:
+            raise TypeError(f"a config dict's keys must be field names (strings), got {bad[0]!r}")
         cfg = _config_from_dict(model)
         name = model.get("_name_or_path", model.get("model_type", "config"))
     elif isinstance(model, str | Path):

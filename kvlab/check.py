@@ -161,8 +161,13 @@ class Numeric:
                  mistakes: dict[str, float] | None = None, explanation: str = ""):
         if isinstance(rel_tol, bool) or not isinstance(rel_tol, int | float) or not 0 < rel_tol < 1:
             raise ValueError(f"rel_tol must be a fraction in (0, 1), got {rel_tol!r}")
+        for arg, v in (("question", question), ("unit", unit), ("explanation", explanation)):
+            if not isinstance(v, str):
+                raise TypeError(f"{arg} must be text, got {type(v).__name__}")
+        if mistakes is not None and not isinstance(mistakes, dict):
+            raise TypeError(f"mistakes must be a dict {{explanation: wrong value}}, got {type(mistakes).__name__}")
         self.question, self.answer, self.rel_tol, self.unit = question, _finite("answer", answer), rel_tol, unit
-        self.mistakes = {msg: _finite(f"the mistake {msg!r}", v) for msg, v in (mistakes or {}).items()}
+        self.mistakes = {str(msg): _finite(f"the mistake {msg!r}", v) for msg, v in (mistakes or {}).items()}
         self.explanation = explanation
 
     def _close(self, a, b):
@@ -208,10 +213,14 @@ class Numeric:
 
 
 def _same(a, b, atol) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], atol) for k in a)
     if isinstance(a, tuple | list) and isinstance(b, tuple | list):
         return len(a) == len(b) and all(_same(x, y, atol) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or a.is_floating_point() != b.is_floating_point():
+            return False
+        if a.device != b.device:  # a tensor on another device (or "meta", which holds no values) is not the answer
             return False
         if not a.is_floating_point():  # integer codes: the exact dtype matters (int8 is not int16)
             return a.dtype == b.dtype and torch.equal(a.to(torch.int64), b.to(torch.int64))
@@ -262,6 +271,10 @@ class Exercise:
                  mistakes: dict[str, Callable] | None = None, atol: float = 1e-6):
         if not cases:
             raise ValueError("an exercise needs at least one test case")
+        if isinstance(atol, bool) or not isinstance(atol, int | float) or not 0 <= atol < math.inf:
+            raise ValueError(f"atol must be a finite number >= 0, got {atol!r}")
+        if not callable(reference):
+            raise TypeError(f"reference must be a function, got {type(reference).__name__}")
         self.name, self.reference, self.cases = name, reference, list(cases)
         self.mistakes, self.atol = dict(mistakes or {}), atol
 
@@ -276,6 +289,8 @@ class Exercise:
             got = self._outputs(fn)
         except NotImplementedError:
             return Feedback(False, f"`{name}` is not written yet.")
+        except SystemExit:  # exit() in the reader's code would end the kernel's cell, not answer the exercise
+            return Feedback(False, f"`{name}` called exit(); return a result instead.")
         except Exception as e:  # the reader's code: report, don't crash the notebook
             return Feedback(False, f"`{name}` raised {type(e).__name__}: {e}")
         want = self._outputs(self.reference)

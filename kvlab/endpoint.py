@@ -871,5 +871,10 @@ def load(path: str | Path) -> dict:
         raise ValueError(f"side-by-side {shown_path(path)}: not a kvlab endpoint side-by-side (missing {', '.join(missing)})")
     if not isinstance(doc["results"], dict) or not all(isinstance(r, dict) for r in doc["results"].values()):
         raise ValueError(f"side-by-side {shown_path(path)}: results must map each server to its result")
+    for url, r in doc["results"].items():
+        try:
+            EvalResult(**r)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"side-by-side {shown_path(path)}: results[{url!r}]: {e}") from None
     return doc
 

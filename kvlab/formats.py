@@ -179,10 +179,22 @@ class KVFormat:
         return Layout(self.key, head_dim).token_bytes + Layout(self.value, head_dim).token_bytes
 
     def with_options(self, *, residual=None, sinks=None, rotate=None, name=None) -> KVFormat:
-        """A copy with research options changed, e.g. ``fmt.with_options(sinks=4)``."""
+        """A copy with research options changed, e.g. ``fmt.with_options(sinks=4)``. Its name is the base preset's
+        with a suffix for each option that differs from the base (``int4_token+sinks4``), so that
+        :func:`get_format` reads the name back to the same format, however many times options were changed."""
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
         changes = {k: v for k, v in dict(residual=residual, sinks=sinks, rotate=rotate).items() if v is not None}
-        suffix = "".join(f"+{k}{'' if v is True else v}" for k, v in changes.items() if v)
-        return replace(self, name=name or self.name + suffix, **changes)
+        new = replace(self, **changes)  # checks each option's type and range
+        if name is None:
+            base_name = self.name.split("+")[0]
+            base = FORMATS.get(base_name)
+            if base is None or (base.key, base.value) != (self.key, self.value):  # not a preset's options: append
+                name = self.name + "".join(f"+{k}{'' if v is True else v}" for k, v in changes.items() if v)
+            else:
+                name = base_name + "".join(f"+{k}{'' if v is True else v}" for k in ("residual", "sinks", "rotate")
+                                           if (v := getattr(new, k)) != getattr(base, k))
+        return replace(new, name=name)
 
 
 def _q(element, granularity="tensor", group_size=None, group_axis="channel", symmetric=True, scale_bits=16,

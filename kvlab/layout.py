@@ -96,6 +96,9 @@ def token_group(q: Quantizer) -> int:
     return q.group_size if (q.granularity == "group" and q.group_axis == "token") else 1
 
 
+MAX_HEAD_DIM = 1 << 20  # values in one head vector: published models use at most a few thousand (MLA's latent: 576)
+
+
 @dataclass(frozen=True)
 class Layout:
     """How one of K or V is stored at ``head_dim``: see the module docstring."""
@@ -107,8 +110,8 @@ class Layout:
         q, d = self.quantizer, self.head_dim
         if not isinstance(q, Quantizer):
             raise TypeError(f"quantizer must be a kvlab.formats.Quantizer, got {type(q).__name__}")
-        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-            raise ValueError(f"head_dim must be a positive integer, got {d!r}")
+        if not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be an integer from 1 to {MAX_HEAD_DIM:,}, got {str(d)[:30]}")
         if q.granularity == "group" and q.group_axis == "channel" and d % q.group_size:
             raise ValueError(f"group_size={q.group_size} does not divide head_dim={d}")
         if q.kind in ("int", "fp4") and (d * q.bits) % 8:

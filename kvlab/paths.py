@@ -2,6 +2,7 @@
 
 import errno
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -134,8 +135,13 @@ def parse_json(text: str, what: str):
     """Strict JSON (no NaN or Infinity, which no result of ours holds), or ``ValueError`` starting with ``what``."""
     def no_constant(name):
         raise ValueError(f"holds {name}, which strict JSON has not")
+    def finite(token):  # 1e999 parses to inf, which strict JSON cannot hold either
+        x = float(token)
+        if not math.isfinite(x):
+            raise ValueError(f"holds {token}, a number past a float's range")
+        return x
     try:
-        return json.loads(text, parse_constant=no_constant)
+        return json.loads(text, parse_constant=no_constant, parse_float=finite)
     except json.JSONDecodeError as e:
         raise ValueError(f"{what}: not JSON ({e.msg}, line {e.lineno})") from None
     except (ValueError, RecursionError) as e:  # a constant above, a 5,000-digit integer, nesting too deep to read

@@ -33,21 +33,30 @@ import math
 from .results import ALPHA, fewest_prompts_to_detect
 
 POWER = 0.8  # the conventional target: a real loss of the stated size is called "worse" four times in five
-LIMIT = 20_000  # the most prompts prompts_needed searches (a 1-point loss with no flips needs about 600)
+LIMIT = 20_000  # the most prompts prompts_needed searches (a 1-point loss with no flips needs about 800)
+MAX_PROMPTS = 50_000  # the most prompts power() and detectable_loss() take (about a second); far past any eval run
+MIN_LOSS = 0.005  # the smallest loss prompts_needed asks about (half a point needs about 1,600 prompts)
 
 
 def _rate(name: str, v, low: float = 0.0, high: float = 1.0, open_low: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 < v < 2 or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {str(v)[:30]}")  # (a huge int
+        # is compared first: math.isfinite would raise OverflowError on it)
     if v < low or v > high or (open_low and v == low):
         raise ValueError(f"{name} must be in {'(' if open_low else '['}{low:g}, {high:g}], got {v!r}")
     return float(v)
 
 
-def _prompts(name: str, v) -> int:
+def _prompts(name: str, v, most: int = MAX_PROMPTS) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive whole number, got {v!r}")
+    if v > most:
+        raise ValueError(f"{name} must be at most {most:,} (the exact sums grow with it), got {v:,}")
     return v
+
+
+def _alpha(alpha) -> float:
+    return _rate("alpha", alpha, open_low=True, high=0.5)
 
 
 _THRESHOLDS: dict[float, list[int]] = {}  # alpha -> k[m], grown on demand
@@ -99,7 +108,7 @@ def power(prompts: int, loss: float, flips: float = 0.0, alpha: float = ALPHA) -
     fraction of prompts) and flips ``flips`` of them each way by chance."""
     n = _prompts("prompts", prompts)
     loss, flips = _rate("loss", loss), _rate("flips", flips)
-    alpha = _rate("alpha", alpha, open_low=True, high=0.5)
+    alpha = _alpha(alpha)
     if loss + 2 * flips > 1:
         raise ValueError(f"loss + 2 * flips must be at most 1 (every prompt lost or flipped), got {loss + 2 * flips:g}")
     pd = loss + 2 * flips  # a prompt is discordant
@@ -118,9 +127,13 @@ def prompts_needed(loss: float, flips: float = 0.0, target: float = POWER, alpha
                    limit: int = LIMIT) -> int | None:
     """The fewest paired prompts with which the test calls a format that loses ``loss`` "worse" at least a
     ``target`` share of the time; ``None`` when more than ``limit`` would be needed."""
-    loss = _rate("loss", loss, open_low=True)
+    loss = _rate("loss", loss, low=MIN_LOSS)
+    flips = _rate("flips", flips, high=0.5)
     target = _rate("target", target, open_low=True, high=0.999)
-    limit = _prompts("limit", limit)
+    alpha = _alpha(alpha)
+    limit = _prompts("limit", limit, most=LIMIT)
+    if loss + 2 * flips > 1:
+        raise ValueError(f"loss + 2 * flips must be at most 1 (every prompt lost or flipped), got {loss + 2 * flips:g}")
     # a binomial's median is at most its mean rounded up, so while n * (loss + flips) <= k_min - 1 (k_min: the
     # fewest losses that can ever be called worse) the power is at most 1/2: skip those sizes when target > 1/2
     lo = math.floor((fewest_prompts_to_detect(alpha) - 1) / (loss + flips)) if target > 0.5 else 1
@@ -136,7 +149,9 @@ def detectable_loss(prompts: int, flips: float = 0.0, target: float = POWER, alp
     call "worse" with at least ``target`` power; ``None`` when even losing every prompt is not enough."""
     n = _prompts("prompts", prompts)
     flips = _rate("flips", flips, high=0.5)
-    step = _rate("step", step, open_low=True, high=0.5)
+    target = _rate("target", target, open_low=True, high=0.999)
+    alpha = _alpha(alpha)
+    step = _rate("step", step, low=0.001, high=0.5)  # at most 1,000 losses tried
     for i in range(1, int(round((1 - 2 * flips) / step)) + 1):
         if power(n, i * step, flips, alpha) >= target:
             return round(i * step, 10)
@@ -145,4 +160,8 @@ def detectable_loss(prompts: int, flips: float = 0.0, target: float = POWER, alp
 
 def table(losses=(0.05, 0.10, 0.20), flips=(0.0, 0.02), target: float = POWER) -> list[dict]:
     """Rows ``{"loss", "flips", "prompts"}``: the prompts needed for each loss at each chance-flip rate."""
+    try:
+        losses, flips = list(losses), list(flips)
+    except TypeError:
+        raise TypeError("losses and flips must each be a sequence of fractions, e.g. (0.05, 0.10)") from None
     return [{"loss": d, "flips": f, "prompts": prompts_needed(d, f, target)} for f in flips for d in losses]

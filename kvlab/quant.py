@@ -72,7 +72,9 @@ class QTensor:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_input(x: torch.Tensor, q: Quantizer) -> None:
+def _check_input(x: torch.Tensor, q: Quantizer, whole_token_groups: bool = True) -> None:
+    """What :func:`quantize` takes (``whole_token_groups=False``: what :func:`fake_quantize` takes, which keeps a
+    partial group of tokens in full precision)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -87,7 +89,7 @@ def _check_input(x: torch.Tensor, q: Quantizer) -> None:
     if q.granularity == "group":
         n = dim if q.group_axis == "channel" else tokens
         axis = "head_dim (last axis)" if q.group_axis == "channel" else "tokens (second-to-last axis)"
-        if n % q.group_size:
+        if n % q.group_size and (whole_token_groups or q.group_axis == "channel"):
             raise ValueError(f"group_size={q.group_size} does not divide {axis} of length {n}")
     if q.kind in ("int", "fp4") and q.bits < 8 and dim % (8 // q.bits):
         raise ValueError(f"{q.bits}-bit codes pack {8 // q.bits} values per byte: head_dim must be a multiple "
@@ -208,9 +210,12 @@ def _check_frozen(scale, zero, view: torch.Tensor, q: Quantizer) -> None:
         if not ok:
             raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast over the grouped values "
                              f"{tuple(view.shape)}: use the {name} a previous quantize() returned")
+        if t.is_complex() or not (t.is_floating_point() or t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64)):
+            raise TypeError(f"{name} must be a real-valued tensor, got dtype {t.dtype}")
         if not torch.isfinite(t.float()).all():
-            raise ValueError(f"{name} must be finite")
-    if scale is not None and ((scale == 0).any() if q.full_range else (scale <= 0).any()):
+            raise ValueError(f"{name} must be finite (as float32, which quantize computes in)")
+    used = None if scale is None else scale.float()  # what quantize divides by: a 1e-300 float64 scale is 0 here
+    if used is not None and ((used == 0).any() if q.full_range else (used <= 0).any()):
         raise ValueError("scale must be " + ("non-zero" if q.full_range else "positive") + " (a zero scale divides by zero)")
 
 
@@ -222,7 +227,8 @@ def quantize(x: torch.Tensor, q: Quantizer, *, scale: torch.Tensor | None = None
     _check_input(x, q)
     shape, dtype = tuple(x.shape), x.dtype
     if q.is_passthrough:
-        return QTensor(x.to(FLOAT_DTYPES[q.element]), None, None, shape, q, dtype)
+        top = torch.finfo(FLOAT_DTYPES[q.element]).max  # a value past float16's range saturates, as int codes do
+        return QTensor(x.clamp(-top, top).to(FLOAT_DTYPES[q.element]), None, None, shape, q, dtype)
     xs = _sanitize(x)
     view, dims = _grouped(xs, q)
     _check_frozen(scale, zero, view, q)
@@ -299,6 +305,8 @@ def _signed_absmax(x, dims):
 
 def dequantize(qt: QTensor) -> torch.Tensor:
     """Back to ``qt.dtype``: ``codes * scale (+ zero)``, computed in float32."""
+    if not isinstance(qt, QTensor):
+        raise TypeError(f"dequantize takes what quantize() returned (a QTensor), got {type(qt).__name__}")
     q = qt.quantizer
     if q.is_passthrough:
         return qt.data.to(qt.dtype)
@@ -320,11 +328,18 @@ def dequantize(qt: QTensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- rotation
 
 
+MAX_HADAMARD = 1 << 13  # a head of 8,192 values (a 256 MiB float32 matrix); real heads hold 64 to 576
+
+
 @torch.no_grad()
 def hadamard(n: int, dtype=torch.float32, device=None) -> torch.Tensor:
     """Orthonormal Sylvester Hadamard matrix of size ``n`` (a power of two): ``H @ H.T = I``."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"hadamard takes the size as an integer, got {n!r}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+        raise TypeError(f"dtype must be a float type of 16 bits or more (its entries are +-1/sqrt(n)), got {dtype!r}")
+    if n > MAX_HADAMARD:
+        raise ValueError(f"Hadamard rotation is for a head vector: n must be at most {MAX_HADAMARD:,}, got {str(n)[:30]}")
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard rotation needs head_dim to be a power of two, got {n}")
     h = torch.ones(1, 1, dtype=dtype, device=device)
@@ -345,15 +360,21 @@ def fake_quantize(x: torch.Tensor, q: Quantizer, *, sinks: int = 0, residual: in
     leftover tokens (fewer than one group) stay in full precision too, as they
     would in KIVI's residual buffer.
     """
-    if sinks < 0 or residual < 0:
-        raise ValueError(f"sinks and residual must be >= 0, got {sinks} and {residual}")
+    if not isinstance(q, Quantizer):
+        raise TypeError(f"q must be a kvlab.formats.Quantizer (get_format(name).key gives one), got {type(q).__name__}")
+    _check_input(x, q, whole_token_groups=False)
+    for arg, v in (("sinks", sinks), ("residual", residual)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{arg} must be a whole number of tokens >= 0, got {v!r}")
+    if not isinstance(rotate, bool):
+        raise TypeError(f"rotate must be True or False, got {rotate!r}")
     T = x.shape[-2]
     start = min(sinks, T)
     stop = max(start, T - residual)
     g = layout.token_group(q)
     stop = start + (stop - start) // g * g
     if stop <= start or q.is_passthrough:
-        return x.to(FLOAT_DTYPES[q.element]).to(x.dtype) if q.is_passthrough else x.clone()
+        return dequantize(quantize(x, q)) if q.is_passthrough else x.clone()
     mid = x[..., start:stop, :]
     if rotate:
         H = hadamard(x.shape[-1], device=x.device)

@@ -57,8 +57,8 @@ def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
     trials, correct = _count("trials", trials), _count("correct", correct)
     if trials < 1 or correct > trials:
         raise ValueError(f"need 0 <= correct <= trials and trials >= 1, got {correct}/{trials}")
-    if isinstance(z, bool) or not isinstance(z, int | float) or not 0 < z < math.inf:
-        raise ValueError(f"z must be a positive finite number (1.96 for 95%), got {z!r}")
+    if isinstance(z, bool) or not isinstance(z, int | float) or not 0 < z <= 10:
+        raise ValueError(f"z must be a number of standard errors in (0, 10] (1.96 for 95%), got {str(z)[:30]}")
     p, n = correct / trials, trials
     mid = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
@@ -68,12 +68,21 @@ def wilson(correct: int, trials: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def _log_binom_cdf(k: int, n: int, p: float) -> float:
-    """log P(X <= k) for X ~ Binomial(n, p), 0 < p < 1, summed in log space: no term overflows or underflows
-    whatever n is (the plain sum of comb(n, i) p^i (1-p)^(n-i) overflows a float near n = 1,000)."""
+    """log P(X <= k) for X ~ Binomial(n, p), 0 < p < 1, summed in log space from i = k down: no term overflows or
+    underflows whatever n is (the plain sum of comb(n, i) p^i (1-p)^(n-i) overflows a float near n = 1,000). Below
+    the mode the terms fall as i falls, so the sum stops once they are 1e-22 of the largest."""
     lp, lq = math.log(p), math.log1p(-p)
-    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
-    top = max(logs)
-    return top + math.log(sum(math.exp(x - top) for x in logs))
+    log_term = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * lp + (n - k) * lq
+    top, total, mode = log_term, 1.0, (n + 1) * p
+    for i in range(k, 0, -1):  # term(i - 1) = term(i) * i / (n - i + 1) * (1 - p) / p
+        log_term += math.log(i) - math.log(n - i + 1) + lq - lp
+        if log_term > top:  # above the mode (not a case this module meets): rescale to the new largest term
+            total, top = total * math.exp(top - log_term) + 1.0, log_term
+            continue
+        total += math.exp(log_term - top)
+        if i <= mode and log_term < top - 50:
+            break
+    return top + math.log(total)
 
 
 def exact_upper(k: int, n: int, confidence: float = 0.95) -> float:
@@ -98,9 +107,16 @@ MAX_NATS = 100  # a mean NLL a token beyond any model (exp(100) is a perplexity 
 EXACT_UP_TO = 1000  # discordant pairs summed as exact integers; above, in log space (a relative error near 1e-12)
 
 
+MAX_COUNT = 10**6  # prompts or windows in one test: far past any eval run, and the exact tails stay under a second
+
+
 def _count(name: str, v) -> int:
+    if hasattr(v, "__index__") and not isinstance(v, bool | int) and type(v).__module__ == "numpy":
+        v = int(v)  # a numpy integer (a count from an array) is a count
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    if v > MAX_COUNT:
+        raise ValueError(f"{name} must be at most {MAX_COUNT:,}, got {v:,}")
     return v
 
 
@@ -123,7 +139,7 @@ def mcnemar(lost: int, gained: int) -> float:
 
 def verdict(lost: int, gained: int, alpha: float = ALPHA) -> str:
     """``"worse"``, ``"better"`` or ``"not distinguishable"``: the workbook's one decision rule."""
-    if not 0 < alpha < 1:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
     if mcnemar(lost, gained) >= alpha:
         return "not distinguishable"
@@ -134,7 +150,7 @@ def holm(pvalues, alpha: float = ALPHA) -> list[bool]:
     """Holm's step-down correction (Holm 1979): which of ``pvalues`` are rejected so that the chance of any false
     rejection in the whole family stays at ``alpha``. The smallest p is compared with alpha / m, the next with
     alpha / (m - 1), and so on, stopping at the first that is not below its bar."""
-    if not 0 < alpha < 1:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
     ps = list(pvalues)
     if any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1 for x in ps):
@@ -155,6 +171,8 @@ def holm_worse(tests: dict[str, Paired]) -> list[str]:
 
 def fewest_prompts_to_detect(alpha: float = ALPHA) -> int:
     """The fewest discordant pairs (all one way) for which the exact test can reject at ``alpha``."""
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= 0.5:
+        raise ValueError(f"alpha must be a significance level in (0, 0.5], got {alpha!r}")
     n = 1
     while mcnemar(n, 0) >= alpha:
         n += 1
@@ -197,13 +215,16 @@ class Paired:
 def paired_nll(nll: list[float], ref_nll: list[float], tokens: list[int]) -> dict:
     """One format's summed NLL per window against a reference's on the same windows: the perplexity increase, and
     the book's paired rule on the windows (a two-sided sign test on those where the format did worse vs better)."""
+    if not all(isinstance(x, list | tuple) for x in (nll, ref_nll, tokens)):
+        raise TypeError("nll, ref_nll and tokens must be lists (one number a window; tensor.tolist() gives one)")
     if not nll or not len(nll) == len(ref_nll) == len(tokens):
         raise ValueError(f"need one NLL per window for both formats and one token count each, got {len(nll)}, "
                          f"{len(ref_nll)} and {len(tokens)}")
     for name, xs in (("nll", nll), ("ref_nll", ref_nll)):
-        bad = [x for x in xs if isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x < math.inf]
+        bad = [x for x in xs if isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1e15
+               or not math.isfinite(x)]  # (a 400-digit integer is refused by the bound before isfinite sees it)
         if bad:
-            raise ValueError(f"{name} must hold finite, non-negative summed NLLs, got {bad[0]!r}")
+            raise ValueError(f"{name} must hold finite, non-negative summed NLLs, got {str(bad[0])[:30]}")
     for t in tokens:
         if _count("tokens", t) < 1:
             raise ValueError(f"every window needs at least one token, got {t!r}")
@@ -261,6 +282,12 @@ class LongSweep:
         fmts = header.get("formats")
         if not isinstance(fmts, dict) or not fmts:
             raise ValueError(f"{path}: the header names no formats")
+        if not isinstance(header.get("model"), str):
+            raise ValueError(f"{path}: the header's model must be a name, got {header.get('model')!r}")
+        for k in ("lengths", "depths"):
+            if k in header and not (isinstance(header[k], list) and all(
+                    isinstance(x, int | float) and not isinstance(x, bool) for x in header[k])):
+                raise ValueError(f"{path}: the header's {k} must be a list of numbers, got {str(header[k])[:40]}")
         header["added"], header["added_formats"] = [], {}
         known = dict(fmts)  # the sweep's own formats and those added later
         records, where = [], {}  # where: a prompt's key -> its index in records
@@ -313,6 +340,9 @@ class LongSweep:
             raise ValueError(f"{where}: stage must be one of {STAGES + (PPL_STAGE,)}, got {r.get('stage')!r}")
         for k in ("length", "index"):
             _count(f"{where}: {k}", r.get(k))
+        sec = r.get("seconds", 0)
+        if isinstance(sec, bool) or not isinstance(sec, int | float) or not 0 <= sec <= 1e9:
+            raise ValueError(f"{where}: seconds must be a number of seconds >= 0, got {str(sec)[:30]}")
         d = r.get("depth")
         if not isinstance(d, int | float) or isinstance(d, bool) or not 0 <= d <= 1:
             raise ValueError(f"{where}: depth must be a number in [0, 1], got {d!r}")
@@ -321,9 +351,9 @@ class LongSweep:
                 raise ValueError(f"{where}: tokens must be at least 1, got 0")
             c = r.get("nll")
             if not isinstance(c, dict) or not c or any(
-                    not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v < 0
-                    for v in c.values()):
-                raise ValueError(f"{where}: nll must map formats to finite non-negative numbers")
+                    not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v <= MAX_NATS * r["tokens"]
+                    or not math.isfinite(v) for v in c.values()):
+                raise ValueError(f"{where}: nll must map formats to summed NLLs from 0 to {MAX_NATS} nats a token")
         else:
             c = r.get("correct")
             if not isinstance(c, dict) or not c or any(not isinstance(v, bool) for v in c.values()):
@@ -690,7 +720,10 @@ class EvalResult:
             seen.add((r["length"], r["depth"]))
 
     def accuracy(self, length: int | None = None, depth: float | None = None, min_length: int | None = None) -> float:
-        """Exact match pooled over the cells that match (all of them by default)."""
+        """Exact match pooled over the cells that match (all of them by default); ``KeyError`` where none does."""
+        for arg, v in (("length", length), ("depth", depth), ("min_length", min_length)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v != v):
+                raise TypeError(f"{arg} must be a number or None, got {v!r}")
         rows = [r for r in self.rows if (length is None or r["length"] == length)
                 and (depth is None or r["depth"] == depth) and (min_length is None or r["length"] >= min_length)]
         if not rows:
@@ -705,9 +738,10 @@ class EvalResult:
     def depths(self) -> list[float]:
         return sorted({r["depth"] for r in self.rows})
 
-    def grid(self) -> list[list[float]]:
-        """Exact match, rows = depths, columns = lengths."""
-        return [[self.accuracy(n, d) for n in self.lengths] for d in self.depths]
+    def grid(self) -> list[list[float | None]]:
+        """Exact match, rows = depths, columns = lengths; None where a result has no cell (a sweep that skipped it)."""
+        have = {(r["length"], r["depth"]) for r in self.rows}
+        return [[self.accuracy(n, d) if (n, d) in have else None for n in self.lengths] for d in self.depths]
 
     def save(self, path: str | Path) -> None:
         """Write this result as JSON, atomically (:func:`kvlab.paths.write_json`)."""
@@ -739,7 +773,7 @@ class EvalResult:
         fig = go.Figure(go.Heatmap(
             z=self.grid(), x=[str(n) for n in self.lengths], y=[f"{d:.2f}" for d in self.depths],
             zmin=0, zmax=1, colorscale="RdYlGn", colorbar=dict(title="exact match"),
-            text=[[f"{v:.0%}" for v in row] for row in self.grid()], texttemplate="%{text}"))
+            text=[["" if v is None else f"{v:.0%}" for v in row] for row in self.grid()], texttemplate="%{text}"))
         fig.update_layout(title=title or f"{self.task}: {self.kv_format}", xaxis_title="context (tokens)",
                           yaxis_title="needle depth", height=320, margin=dict(t=40, b=40))
         return fig

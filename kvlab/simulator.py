@@ -104,19 +104,24 @@ class CostModel:
     def __post_init__(self):
         for name in ("params", "weights_bytes"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 60:
+                raise ValueError(f"{name} must be a non-negative integer of at most 2**60, got {str(v)[:30]}")
         for name, zero_ok in (("peak_flops", True), ("bandwidth", False)):  # 0 FLOP/s: no peak listed, prefill untimed
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (v == 0 and zero_ok or 1 <= v < math.inf):
-                raise ValueError(f"{name} must be a finite number of at least 1 a second{' (or 0: none listed)' * zero_ok}, "
-                                 f"got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (v == 0 and zero_ok or 1 <= v <= 1e21):
+                raise ValueError(f"{name} must be a number from 1 to 1e21 a second{' (or 0: none listed)' * zero_ok}, "
+                                 f"got {str(v)[:30]}")
         for name in ("mfu", "mbu"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
                 raise ValueError(f"{name} must be a fraction of peak in (0, 1], got {v!r}")
 
     def step_seconds(self, prefill_tokens: int, decode_cache_bytes: float, decoding: bool) -> float:
+        if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or not 0 <= prefill_tokens <= 1 << 40:
+            raise ValueError(f"prefill_tokens must be a whole number from 0 to 2**40, got {str(prefill_tokens)[:30]}")
+        if isinstance(decode_cache_bytes, bool) or not isinstance(decode_cache_bytes, int | float) or \
+                not 0 <= decode_cache_bytes <= 2.0 ** 60:
+            raise ValueError(f"decode_cache_bytes must be a number of bytes from 0 to 2**60, got {str(decode_cache_bytes)[:30]}")
         t = compute_seconds(2 * self.params * prefill_tokens, self.peak_flops, self.mfu)
         if decoding:
             t += memory_seconds(self.weights_bytes + decode_cache_bytes, self.bandwidth, self.mbu)
@@ -276,6 +281,8 @@ class SimResult:
 def pool_blocks(model, gpu, kv_format, weights_dtype="bf16", block_size=16, memory_utilization=0.9,
                 pool_bytes: int | None = None) -> tuple[int, int, int]:
     """``(num_blocks, block_bytes, pool_bytes)`` for a model on a GPU (or a fixed ``pool_bytes``)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 1 << 20:
+        raise ValueError(f"block_size must be a whole number of tokens from 1 to 2**20, got {str(block_size)[:30]}")
     block_bytes = B.budget(model, 1, block_size, kv_format).bytes_per_token * block_size
     if pool_bytes is not None and (isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes <= 0):
         raise ValueError(f"pool_bytes must be a positive number of bytes, got {pool_bytes!r}")
@@ -434,6 +441,8 @@ def working_set(requests: list[Request], model, kv_format, *, block_size=16) -> 
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     _check_requests(requests, block_size)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= 1 << 20:
+        raise ValueError(f"block_size must be a whole number of tokens from 1 to 2**20, got {str(block_size)[:30]}")
     block_bytes = B.budget(model, 1, block_size, kv_format).bytes_per_token * block_size
     seen = Counter(h for r in requests for h in set(r.prompt_hashes))
     return {"reused": block_bytes * sum(n > 1 for n in seen.values()), "distinct": block_bytes * len(seen),

@@ -63,7 +63,7 @@ def _choice(panel: str, control: str, value, options):
     """``value`` if it is one of a dropdown's ``options``; else ``ValueError`` naming the panel, the control and the
     allowed values (ipywidgets' own "Invalid selection: value not found" names neither)."""
     options = list(options)
-    if value not in options:
+    if isinstance(value, bool) or value not in options:  # True == 1: a yes/no is not a TP size
         raise ValueError(f"{panel}: {control} {value!r} is not one of: {', '.join(map(str, options))}")
     return value
 
@@ -246,7 +246,7 @@ class PrefixCacheExplorer(_Panel):
             raise ValueError(f"{P}: pool_gib must list at least one pool size")
         for g in pool_gib:
             _in_range(P, "each pool_gib", g, 1 / 1024, 1 << 20)  # 1 MiB to 1 PiB
-        _in_range(P, "n_requests", n_requests, 1, 100_000, integer=True)
+        _in_range(P, "n_requests", n_requests, 1, 2_000, integer=True)  # every control replays them: keep it quick
         self.formats, self.pool_gib, self.n = formats, pool_gib, n_requests
         style = {"description_width": "90px"}
         self.model = w.Dropdown(options=B.preset_names(), value=model, description="model", style=style)
@@ -300,6 +300,15 @@ class QuantErrorExplorer(_Panel):
         from .quant import fake_quantize
 
         self._Q, self._snr, self._fq = Quantizer, snr_db, fake_quantize
+        from .models import Capture
+
+        if not isinstance(capture, Capture):
+            raise TypeError(f"QuantErrorExplorer: capture must be a kvlab.models.Capture (capture_kv gives one), "
+                            f"got {type(capture).__name__}")
+        if len(capture.keys) != len(capture.values) or any(
+                k.dim() != 4 or v.dim() != 4 for k, v in zip(capture.keys, capture.values)):
+            raise ValueError("QuantErrorExplorer: capture needs one [batch, heads, tokens, head_dim] key and value "
+                             "tensor a layer")
         self.cap = capture
         _in_range("QuantErrorExplorer", "layer", layer, 0, capture.num_layers - 1, integer=True)
         style = {"description_width": "90px"}
@@ -339,7 +348,8 @@ class QuantErrorExplorer(_Panel):
             self.fig.data[0].z = err.tolist()
         snr = self._snr(x, xh).item()
         snr_text = (f"SNR {snr:.1f} dB" if math.isfinite(snr) else "no error at all (SNR infinite)" if snr == math.inf
-                    else "SNR undefined (this tensor is all zeros: no signal)")
+                    else "SNR undefined (this tensor is all zeros: no signal)" if not x.any()
+                    else "SNR undefined (this tensor holds infinities or NaNs)")
         self.status.value = f"{snr_text}, {self.quantizer().bits_per_element(x.shape[-1]):.3g} bits per element"
 
     def widget(self):
@@ -396,7 +406,7 @@ class SweepExplorer(_Panel):
             self.fig.data[0].z = grid
             self.fig.data[0].x = [str(n) for n in res.lengths]
             self.fig.data[0].y = [f"{d:.2f}" for d in res.depths]
-            self.fig.data[0].text = [[f"{v:.0%}" for v in row] for row in grid]
+            self.fig.data[0].text = [["" if v is None else f"{v:.0%}" for v in row] for row in grid]
             self.fig.layout.title = f"passkey exact match: {res.kv_format} cache, {self.haystack.value} haystack"
         ref = self.result(self.reference)
         parts = []
@@ -426,6 +436,11 @@ class CostQualityTable(_Panel):
                  max_ppl_increase: float = PPL_TOLERANCE, needle: dict | None = None):
         from .simulator import cost_table
 
+        if quality is not None and not (isinstance(quality, dict) and all(
+                isinstance(v, dict) or isinstance(v, int | float) and not isinstance(v, bool) for v in quality.values())):
+            raise TypeError("CostQualityTable: quality must map each format to a score or to {context length: score}")
+        if not list(formats):
+            raise ValueError("CostQualityTable: formats must name at least one KV format")
         if quality is None and needle is None:
             raise ValueError("give the measured quality: needle= (chapter 4's paired verdicts) or quality= (scores)")
         missing = [f for f in formats if (needle is not None and str(f) not in needle) or (

@@ -461,7 +461,8 @@ def test_a_resumed_run_grades_each_stored_answer_again_not_its_flag(stub, tmp_pa
     first = E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
     assert all(r["correct"] for r in first)
     lines = [json.loads(x) for x in journal.read_text().splitlines()]
-    lines[0]["text"] = "no key here"  # the flag still says correct
+    damaged = next(x for x in lines if x["key"] == first[0]["key"])  # answers are journaled as they finish
+    damaged["text"] = "no key here"  # the flag still says correct
     journal.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     recs = E.run_ladder([E.Endpoint(s.url)], _prompts(2), journal, progress=False)
     assert s.count == 2 and [r["correct"] for r in recs] == [False, True]

@@ -259,3 +259,118 @@ def test_a_long_sweep_with_one_prompt_written_twice_is_refused(tmp_path):
     f.write_text("\n".join(lines + [record]) + "\n")
     with pytest.raises(ValueError, match="already recorded on an earlier line"):
         LongSweep.load(f)
+
+
+# ------------------------------------------------------------------ a second hostile pass (issue 45)
+
+
+@pytest.mark.parametrize("call, why", [
+    (lambda: power.power(10**7, 0.1), "prompts must be at most 50,000"),
+    (lambda: power.prompts_needed(0.001), "loss must be in \\[0.005, 1\\]"),
+    (lambda: power.prompts_needed(0.1, alpha=0), "alpha"),
+    (lambda: power.prompts_needed(0.1, flips=-0.1), "flips"),
+    (lambda: power.detectable_loss(25, step=1e-9), "step"),
+    (lambda: power.detectable_loss(25, target=-1), "target"),
+    (lambda: power.power(25, loss=10**400), "loss must be a finite number"),
+    (lambda: results.fewest_prompts_to_detect(float("nan")), "alpha"),
+    (lambda: results.mcnemar(10**8, 1), "at most 1,000,000"),
+    (lambda: results.wilson(5, 10, z=10**400), "z must be"),
+    (lambda: results.paired_nll([10**400], [1], [1]), "summed NLLs"),
+])
+def test_what_would_hang_or_overflow_is_refused_at_once_naming_the_argument(call, why):
+    with pytest.raises(ValueError, match=why):
+        call()
+
+
+def test_large_counts_keep_their_exact_answers():
+    # a balanced million pairs: p = 1; the bound on 10% of a million sits just above 10%
+    assert results.mcnemar(10**6, 10**6) == 1.0
+    assert 0.1 < results.exact_upper(10**5, 10**6) < 0.101
+    assert power.table(losses=(0.1,), flips=(0.0,))[0]["prompts"] == power.prompts_needed(0.1)
+    with pytest.raises(TypeError, match="sequence"):
+        power.table(losses=0.1)
+
+
+def test_quantize_helpers_refuse_what_they_cannot_use():
+    import torch
+
+    from kvlab.formats import Quantizer, get_format
+    from kvlab.quant import dequantize, fake_quantize, hadamard, quantize
+
+    with pytest.raises(ValueError, match="at most 8,192"):
+        hadamard(1 << 16)
+    with pytest.raises(TypeError, match="float type"):
+        hadamard(4, dtype=torch.bool)
+    q8 = get_format("int8").key
+    x = torch.randn(2, 4, 8, 64)
+    with pytest.raises(ValueError, match="must be positive"):  # 1e-300 is 0 in float32, the dtype quantize divides in
+        quantize(x, q8, scale=torch.full(quantize(x, q8).scale.shape, 1e-300, dtype=torch.float64))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        fake_quantize(torch.randn(64), q8)
+    with pytest.raises(TypeError, match="Quantizer"):
+        fake_quantize(x, "int8")
+    with pytest.raises(TypeError, match="QTensor"):
+        dequantize("x")
+    big = torch.full((2, 64), 1e6)
+    assert torch.isfinite(fake_quantize(big, Quantizer())).all()  # float16 saturates at 65504, as int codes do
+
+
+def test_with_options_names_read_back_to_the_same_format():
+    from kvlab.formats import get_format
+
+    f = get_format("int4_token")
+    assert f.with_options(sinks=4).with_options(sinks=0).name == "int4_token"
+    assert f.with_options(sinks=4).with_options(sinks=8).name == "int4_token+sinks8"
+    g = f.with_options(sinks=4, rotate=True)
+    assert get_format(g.name) == g
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        f.with_options(name="")
+
+
+def test_simulator_and_budget_refuse_sizes_past_any_deployment():
+    from kvlab import budget as B
+    from kvlab.simulator import CostModel, pool_blocks
+
+    with pytest.raises(ValueError, match="block_size must be at most"):
+        B.budget("llama-3.1-8b", 1, 4096, block_size=10**400)
+    with pytest.raises(ValueError, match="block_size must be a whole number"):
+        pool_blocks("llama-3.1-8b", "L4", "bf16", block_size=0)
+    cost = CostModel(1000, 2000, 1e15, 1e12)
+    for args in (("a", 0, True), (-1000, 0, True), (0, float("inf"), True), (0, -1.0, True)):
+        with pytest.raises(ValueError, match="prefill_tokens|decode_cache_bytes"):
+            cost.step_seconds(*args)
+    with pytest.raises(TypeError, match="keys must be field names"):
+        B.load_shape({1: 2, "model_type": "llama"})
+
+
+def test_quiz_objects_refuse_malformed_arguments_and_compare_dicts():
+    import torch
+
+    with pytest.raises(TypeError, match="mistakes must be a dict"):
+        Numeric("q", 5, mistakes=[("a", 1)])
+    with pytest.raises(TypeError, match="explanation must be text"):
+        Numeric("q", 5, explanation=None)
+    with pytest.raises(ValueError, match="atol"):
+        Exercise("e", lambda x: x, [(1,)], atol=-1)
+
+    def leaves():
+        raise SystemExit(1)
+
+    assert "called exit()" in Exercise("e", lambda: 1, [()]).check(leaves).message
+    ex = Exercise("e", lambda: {"a": torch.ones(3)}, [()])
+    assert ex.check(lambda: {"a": torch.ones(3)}).correct and not ex.check(lambda: {"a": torch.zeros(3)}).correct
+
+
+def test_an_eval_grid_with_a_missing_cell_shows_none_and_strict_json_refuses_overflowing_floats(tmp_path):
+    from kvlab.paths import load_json
+    from kvlab.results import EvalResult
+
+    r = EvalResult("p", "m", "f", [{"length": 512, "depth": 0.5, "trials": 4, "correct": 2},
+                                  {"length": 1024, "depth": 0.0, "trials": 4, "correct": 4}])
+    assert r.grid() == [[None, 1.0], [0.5, None]]
+    with pytest.raises(TypeError, match="length must be a number"):
+        r.accuracy(length="512")
+    f = tmp_path / "x.json"
+    f.write_text('{"a": 1e999}')
+    with pytest.raises(ValueError, match="past a float's range"):
+        load_json(f, "x")
