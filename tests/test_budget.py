@@ -312,9 +312,9 @@ def test_binary_config_and_non_finite_sizes(tmp_path):
 
 def test_absurd_sizes_are_refused_not_looped_over():
     """1e308 layers is an integer-valued float: it must be refused, not turned into a 1e308-entry layer table."""
-    with pytest.raises(ValueError, match="larger than any model"):
+    with pytest.raises(ValueError, match="larger than any model|num_hidden_layers must be at most"):
         B.budget({"num_hidden_layers": 1e308, "num_attention_heads": 1e308, "kv_lora_rank": 4096}, 1, 1, "int4")
-    with pytest.raises(ValueError, match="larger than any model"):
+    with pytest.raises(ValueError, match="larger than any model|head_dim must be at most"):
         B.budget(GOOD | {"head_dim": 2**60}, 1, 1)
 
 
@@ -687,10 +687,10 @@ def test_a_bad_config_field_is_named_with_its_file(tmp_path):
 
 
 def test_a_deep_model_is_sized_per_kind_of_layer_not_per_layer(tmp_path):
-    """100,000 identical layers (the config limit): one kind of layer, worked out once. Oracle: 1 KV head x 64
-    values x 2 (K, V) x 2 bytes = 256 bytes a token a layer."""
-    d = str(_config_dir(tmp_path, num_hidden_layers=100_000))
-    assert B.budget(d, 1, 1000).cache_bytes == 100_000 * 256 * 1000
+    """20,000 identical layers: one kind of layer, worked out once (a bisection over every layer took minutes at
+    10,000). Oracle: 1 KV head x 64 values x 2 (K, V) x 2 bytes = 256 bytes a token a layer."""
+    d = str(_config_dir(tmp_path, num_hidden_layers=20_000))
+    assert B.budget(d, 1, 1000).cache_bytes == 20_000 * 256 * 1000
     n = B.max_context(d, 1, "bf16", "H200", "bf16")
     assert B.budget(d, 1, n).cache_bytes_per_gpu <= B.fit(d, "H200", "bf16").free_for_cache_per_gpu \
         < B.budget(d, 1, n + 1).cache_bytes_per_gpu
