@@ -61,3 +61,26 @@ def test_the_gpu_check_runs_where_the_lab_packages_are_missing(tmp_path):
     r = subprocess.run([sys.executable, "benchmarks/decode_attention.py", "--help"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_attention_bench", ROOT / "benchmarks" / "decode_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_check_measures_batch_1_and_8_from_4k_to_128k_within_its_time_box():
+    bench, check = _benchmark(), _gpu_check()
+    assert bench.POINTS["check"] == [(1, 4096), (1, 16384), (1, 32768), (1, 131072),
+                                     (8, 4096), (8, 16384), (8, 32768), (8, 131072)]
+    assert check.TESTS_LIMIT_S + check.BENCH_LIMIT_S < 8 * 60 and check.BENCH_BUDGET_S < check.BENCH_LIMIT_S
+    clock = iter(range(0, 1000, 60)).__next__  # each call: another minute gone
+    saved = []
+    rows, missed = bench.measure(bench.POINTS["check"], lambda b, t: "too big" if t == 16384 else [{"b": b, "t": t}],
+                                 budget_s=200, clock=clock, on_row=lambda r, m: saved.append((len(r), len(m))))
+    assert rows == [{"b": 1, "t": 4096}, {"b": 1, "t": 32768}]  # started at 0 min; 1, 2 and 3 min in: the box is 200 s
+    assert [m["why"] for m in missed] == ["too big"] + ["time box of 200 s reached"] * 5
+    assert saved[-1] == (2, 6)  # the file is rewritten after every point and at the end, every skipped point named
