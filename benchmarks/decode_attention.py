@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -57,6 +58,41 @@ def measure(points, time_point, budget_s: float, clock=time.monotonic, on_row=No
     return rows, missed
 
 
+def make_cache(fmt, B, T, device, chunk=4096):
+    """K and V stores of ``B`` random sequences of ``T`` tokens, filled ``chunk`` tokens at a time
+    (on CUDA through the append kernel), into buffers of exactly ``T`` tokens."""
+    import torch
+
+    from kvlab.formats import get_format
+    from kvlab.storage import KVStore
+
+    f = get_format(fmt)
+    k, v = (KVStore.allocate(q, B, HKV, T, D, device) for q in (f.key, f.value))
+    for t0 in range(0, T, chunk):
+        n = min(chunk, T - t0)
+        k.append(torch.randn(B, HKV, n, D, device=device, dtype=torch.bfloat16))
+        v.append(torch.randn(B, HKV, n, D, device=device, dtype=torch.bfloat16))
+    return k, v
+
+
+def gpu_info():
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown"
+    from kvlab.budget import gpus
+
+    peak = None
+    for key, g in gpus().items():
+        if key.split("-")[0].lower() in name.lower():
+            peak = g.bandwidth_bytes_per_s
+    return name, driver, peak
+
+
 def run_cuda(mode: str, out_dir: Path, budget_s: float):
     import torch
     import triton
@@ -82,14 +118,14 @@ def run_cuda(mode: str, out_dir: Path, budget_s: float):
         q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
         kb = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16)
         vb = torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16)
-        base_us = 1e3 * do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+        base_us = 1e3 * do_bench(lambda q=q, kb=kb, vb=vb: torch.nn.functional.scaled_dot_product_attention(
             q[:, :, None], kb, vb, enable_gqa=True))
         del kb, vb
         lens = torch.full((B,), T, dtype=torch.int32, device="cuda")
         rows = []
         for fmt in FORMATS:
             k, v = make_cache(fmt, B, T, "cuda")
-            us = 1e3 * do_bench(lambda k=k, v=v: decode_attention(q, k, v, lens))
+            us = 1e3 * do_bench(lambda q=q, k=k, v=v, lens=lens: decode_attention(q, k, v, lens))
             read = k.nbytes + v.nbytes + 2 * q.numel() * 4
             rows.append({"batch": B, "context": T, "format": fmt, "us": round(us, 2),
                          "baseline_bf16_sdpa_us": round(base_us, 2), "speedup_vs_bf16": round(base_us / us, 3),
