@@ -94,6 +94,41 @@ def latest_gpu_run(results_dir=None) -> dict | None:
     return json.loads(runs[-1].read_text()) if runs else None
 
 
+def measured_bandwidth_figure(doc: dict):
+    """Triton's perf_report, for a recorded run: achieved GB/s by context (top) against the GPU's peak (dashed), and
+    the speed-up over BF16 SDPA (bottom), one line a format, one column a batch size."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    rows = doc["rows"]
+    if not rows:
+        raise ValueError("the run has no rows: nothing was measured")
+    batches = sorted({r["batch"] for r in rows})
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    fig = make_subplots(rows=2, cols=len(batches), shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=[f"batch {b}" for b in batches])
+    for j, b in enumerate(batches, start=1):
+        for i, f in enumerate(formats):
+            pts = sorted((r["context"], r) for r in rows if r["batch"] == b and r["format"] == f)
+            xs = [c for c, _ in pts]
+            for row, key in ((1, "bandwidth_gbs"), (2, "speedup_vs_bf16")):
+                fig.add_trace(go.Scatter(x=xs, y=[r[key] for _, r in pts], name=f, legendgroup=f, mode="lines+markers",
+                                         showlegend=(j == 1 and row == 1),
+                                         line=dict(color=f"hsl({360 * i // len(formats)}, 60%, 45%)")), row=row, col=j)
+        if doc.get("peak_bandwidth_bytes_per_s"):
+            fig.add_hline(y=doc["peak_bandwidth_bytes_per_s"] / 1e9, line_dash="dash", line_color="gray", row=1, col=j,
+                          **({"annotation_text": "peak bandwidth"} if j == 1 else {}))
+        fig.add_hline(y=1, line_dash="dot", line_color="gray", row=2, col=j)
+        contexts = sorted({r["context"] for r in rows})
+        fig.update_xaxes(type="log", tickvals=contexts, ticktext=[f"{c // 1024}k" for c in contexts], row=1, col=j)
+        fig.update_xaxes(type="log", tickvals=contexts, ticktext=[f"{c // 1024}k" for c in contexts],
+                         title_text="context (tokens)", row=2, col=j)
+    fig.update_yaxes(title_text="achieved GB/s", row=1, col=1)
+    fig.update_yaxes(title_text="speed-up over BF16 SDPA", row=2, col=1)
+    fig.update_layout(height=560, title=f"Decode attention on {doc['gpu']} ({doc['date'][:10]})")
+    return fig
+
+
 def measured_speedup_figure(doc: dict, context: int = 32768):
     """Bars of measured speedup over BF16 SDPA per format, one series per batch size, at ``context``."""
     import plotly.graph_objects as go

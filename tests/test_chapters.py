@@ -123,3 +123,34 @@ def test_chapter_5s_hand_counts_are_the_arithmetic():
     H = ch5.by_hand({"model": "llama-3.1-8b"})  # the check reads only the chapter's model
     assert H["block_mib"] == 1 and H["blocks"] == 10_240
     assert H["int4_gib"] == pytest.approx(3 * 4.5 / 8)
+
+
+# ------------------------------------------------------------------ chapter 3
+
+
+def _synthetic_run(tmp_path):
+    """A small made-up benchmark file (marked synthetic; never shipped): two batches, two contexts, two formats."""
+    import json
+
+    rows = [{"batch": b, "context": t, "format": f, "us": 10.0, "baseline_bf16_sdpa_us": 10.0 * s,
+             "speedup_vs_bf16": s, "bytes_read": 1, "bandwidth_gbs": 1000.0 * s, "fraction_of_peak": 0.2 * s}
+            for b in (1, 8) for t in (4096, 32768) for f, s in (("bf16", 1.0), ("int8", 1.8))]
+    doc = {"date": "2026-12-07T00:00:00+00:00", "gpu": "SYNTHETIC GPU", "driver": "0", "torch": "x", "triton": "y",
+           "peak_bandwidth_bytes_per_s": 4.8e12, "rows": rows, "synthetic": True,
+           "not_measured": [{"batch": 8, "context": 131072, "why": "time box of 200 s reached"}]}
+    (tmp_path / "decode_attention_SYNTHETIC_2026-12-07.json").write_text(json.dumps(doc))
+    return tmp_path
+
+
+def test_chapter_3_renders_a_recorded_gpu_run_and_says_so_without_one(tmp_path):
+    from kvlab import roofline
+    from kvlab.chapters import triton_attention as ch3
+
+    run = roofline.latest_gpu_run(_synthetic_run(tmp_path))
+    fig = roofline.measured_bandwidth_figure(run)
+    assert len(fig.data) == 2 * 2 * 2  # 2 formats x (GB/s, speed-up) x 2 batches
+    text = prose.render("03_triton_attention", "live-gpu-measured", ch3.gpu_measured(run))
+    assert "SYNTHETIC GPU" in text and "synthetic file" in text and "1 point was not measured" in text
+    assert "| `int8` | 1.80x | 1.97x |" in text  # measured beside the bytes ratio (16 / 8.125 bits) at batch 1, 32k
+    assert "36%" in text  # the best fraction of peak: 0.2 x 1.8
+    assert "No GPU measurement" in prose.render("03_triton_attention", "gpu-none", ch3.gpu_measured(None))
