@@ -68,7 +68,10 @@ def clean(text: str) -> str:
     return "".join(ch for ch in text if ch.isascii())
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    from kvlab.cli import Parser
+
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)  # no flags: --help answers, anything else is refused
     OUT.mkdir(parents=True, exist_ok=True)
     train, held = [], []
     for i, name in enumerate(module_names()):

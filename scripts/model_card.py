@@ -183,7 +183,10 @@ and reasoning are those of a small model. Its window ends at {cfg["max_position_
 """
 
 
-def main():
+def main(argv=None):
+    from kvlab.cli import Parser
+
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)  # no flags: --help answers, anything else is refused
     sweep = json.loads((ROOT / "data" / "results" / "eval_sweep.json").read_text())
     cfg = json.loads((smollm2_folder() / "config.json").read_text())
     SMOLLM2_CARD_DIR.mkdir(parents=True, exist_ok=True)

@@ -765,3 +765,21 @@ def test_the_scripts_refuse_bad_values_before_any_work(argv, why, tmp_path, caps
     out, err = capsys.readouterr()
     assert e.value.code == 2 and err.startswith(f"{argv[0]}: error: ") and why in err, err
     assert err.count("\n") == 1 and not out and not list(tmp_path.iterdir()), (out, err)
+
+
+@pytest.mark.slow  # one Python start-up a script (torch imports): make test, not make quick
+def test_every_script_and_benchmark_answers_help_and_refuses_an_unknown_flag_writing_nothing():
+    """A script that ignored its arguments rewrote shipped files on `--help` or `--bogus` (issue 45)."""
+    import subprocess
+    import sys
+
+    from kvlab.paths import ROOT
+
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    for script in sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
+        for flag, code in (("--help", 0), ("--bogus-flag", 2)):
+            r = subprocess.run([sys.executable, str(script), flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert r.returncode == code, (script.name, flag, r.stderr[-500:])
+            assert "Traceback" not in r.stderr, (script.name, flag, r.stderr[-500:])
+    after = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert after == before, "a script wrote files when asked only for --help or given a bad flag"
