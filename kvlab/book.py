@@ -343,12 +343,27 @@ def build(out: str | Path, notebooks: list[Path] | None = None, *, timeout: int 
     return report
 
 
+def out_folder_problem(out: Path) -> str | None:
+    """Why the book cannot be written into ``out`` (a folder, made if missing), or None: checked before a chapter runs."""
+    from .paths import folder_problem
+
+    if out.exists() or out.is_symlink():
+        return folder_problem(out, "out")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:  # mkdir(parents=True) makes the missing folders
+        parent = parent.parent
+    why = folder_problem(parent, "out")
+    return None if why is None else f"{why} (the folder that would hold {out})"
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m kvlab.book", description="Execute the chapters into a static HTML book.")
     p.add_argument("out", nargs="?", type=path_flag, default=ROOT / "build" / "book", help="folder to write (default build/book)")
     p.add_argument("--timeout", type=int_flag(1, 86_400), default=900, help="seconds per cell")
     p.add_argument("--only", nargs="+", type=path_flag, help="these notebooks instead of every chapter")
     args = p.parse_args(argv)
+    if why := out_folder_problem(Path(args.out)):  # the out folder is checked first, and blamed as itself
+        p.error(why)
     try:
         report = build(args.out, args.only, timeout=args.timeout)
     except (ValueError, FileNotFoundError) as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import re
 import shutil
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -118,6 +119,17 @@ def test_the_book_refuses_a_file_that_is_not_a_notebook_before_writing(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith(f"kvlab.book: error: --only: {bad} is not a Jupyter notebook") and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_that_cannot_be_written_is_blamed_as_itself_before_anything_runs(tmp_path, capsys):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    for out, why in ((f, "is not a folder"), (f / "sub", "is not a folder (the folder that would hold"),
+                     (Path("/proc/kvlab-book"), "devices or process streams")):
+        with pytest.raises(SystemExit) as e:
+            book.main([str(out), "--only", str(tmp_path / "missing.ipynb")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and "--only" not in err and err.count("\n") == 1, err
 
 
 @pytest.mark.slow
