@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import platform
 import random
 import shutil
@@ -284,7 +285,10 @@ def main(argv=None):
 
         if not (args.init_from / "config.json").exists():
             p.error(f"--init-from {args.init_from}: no config.json there")
-        tok = AutoTokenizer.from_pretrained(args.init_from)
+        try:
+            tok = AutoTokenizer.from_pretrained(args.init_from)
+        except (OSError, ValueError) as e:  # a broken tokenizer.json (JSONDecodeError is a ValueError), a missing one
+            p.error(f"--init-from {args.init_from}: cannot load its tokenizer ({str(e).strip().splitlines()[0][:200]})")
     else:
         tok = build_tokenizer(train_text, args.vocab_size)
     corpus_ids = tok.encode(train_text, add_special_tokens=False)
@@ -297,7 +301,10 @@ def main(argv=None):
     if args.init_from is not None:
         from transformers import LlamaForCausalLM
 
-        model = LlamaForCausalLM.from_pretrained(args.init_from).to(device)
+        try:
+            model = LlamaForCausalLM.from_pretrained(args.init_from).to(device)
+        except (OSError, ValueError, pickle.UnpicklingError) as e:  # weights missing, damaged, or not plain tensors
+            p.error(f"--init-from {args.init_from}: cannot load its model ({str(e).strip().splitlines()[0][:200]})")
     else:
         model = build_model(len(tok), max_pos=32768).to(device)
     n_params = sum(p.numel() for p in model.parameters())

@@ -70,3 +70,19 @@ def test_quick_run_writes_a_loadable_model_and_its_record(tm, tmp_path):
     assert not (tmp_path / "checkpoint").exists()
     model, tok = load_model(tmp_path)
     assert model.config.vocab_size == len(tok) == 4096
+
+
+@pytest.mark.slow  # a Python start-up with torch and transformers
+def test_init_from_a_folder_with_a_broken_tokenizer_is_one_line(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from kvlab.paths import DATA_DIR, ROOT
+
+    shutil.copy(DATA_DIR / "model" / "config.json", tmp_path / "config.json")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_model.py"), "--init-from", str(tmp_path), "--quick",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "cannot load its tokenizer" in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
+    assert not (tmp_path / "out").exists()
