@@ -30,6 +30,9 @@ from .formats import format_names, get_format
 from .paths import WriteError, out_problem, read_text, shown_path
 
 
+MAX_WORDS = 1_000  # a command line's words: every kvlab command needs a few dozen at most
+
+
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (no usage dump, no value echoed at full length), named by the
     program: the kvlab CLI's and the scripts' (``--help`` still shows the usage). A flag is spelled in full:
@@ -42,6 +45,8 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         global _PARSING
         argv = sys.argv[1:] if args is None else list(args)
+        if len(argv) > MAX_WORDS:  # argparse's time grows with the square of the words: refuse before it starts
+            self.error(f"{len(argv):,} words on the command line; at most {MAX_WORDS:,} are read (is a flag repeated?)")
         _PARSING = (argv, set(self._option_string_actions))  # a subcommand's parser reads them too (error())
         return super().parse_args(argv, namespace)
 

@@ -783,3 +783,12 @@ def test_every_script_and_benchmark_answers_help_and_refuses_an_unknown_flag_wri
             assert "Traceback" not in r.stderr, (script.name, flag, r.stderr[-500:])
     after = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
     assert after == before, "a script wrote files when asked only for --help or given a bad flag"
+
+
+def test_a_command_line_of_thousands_of_words_is_refused_before_argparse_reads_it(capsys):
+    """argparse's time grows with the square of the words: 100,000 repeated flags took minutes."""
+    from kvlab.cli import MAX_WORDS, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["budget", "--model", "llama-3.1-8b", "--context", "4096"] + ["--batch", "1"] * MAX_WORDS)
+    assert e.value.code == 2 and "words on the command line" in capsys.readouterr().err
