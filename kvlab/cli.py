@@ -195,9 +195,18 @@ def _fraction(text):
 
 def _gib_flag(text):
     s, v = _read_number(text, "a number of GiB", float)
-    if not (math.isfinite(v) and 0 <= v <= 1e6):
-        raise argparse.ArgumentTypeError(f"must be a finite number of GiB from 0 to 1e6, got {s}")
+    if not (math.isfinite(v) and 0 <= v <= 1e6) or _rounds_to_zero(s, v):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB from 0 to 1e6, got {s}{_rounds_to_zero(s, v)}")
     return v
+
+
+def _warn_lookalikes(text: str) -> None:
+    """A line on stderr when a haystack file already holds numbers shaped like the pass key."""
+    from .tasks import key_lookalikes
+
+    if n := key_lookalikes(text):
+        print(f"kvlab: warning: --haystack-file holds {n:,} five-digit numbers; a model may answer one of them instead "
+              "of the key, which counts as a miss on both servers alike (remove them for a cleaner test)", file=sys.stderr)
 
 
 def model_flag(text):
@@ -408,6 +417,7 @@ def cmd_niah(args) -> int:
             if args.task != "passkey":
                 raise ValueError("--haystack-file is for the passkey task")
             text = read_text(args.haystack_file, "--haystack-file")
+            _warn_lookalikes(text)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -487,6 +497,7 @@ def cmd_niah_endpoint(args) -> int:
             if args.task != "passkey":
                 raise ValueError("--haystack-file is for the passkey task")
             text = read_text(args.haystack_file, "--haystack-file")
+            _warn_lookalikes(text)
         except (ValueError, FileNotFoundError, TypeError) as e:
             print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
             return 2

@@ -116,6 +116,11 @@ def read_text(path: str | Path, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> s
     """A UTF-8 text file given on the command line, or ``ValueError`` naming ``flag``: a regular file (a device
     or a pipe never ends), at most ``max_bytes``, not empty."""
     p = Path(path)
+    if str(path).endswith(("/", "/.")):  # Path() drops a trailing slash: "notes.txt/" would read notes.txt
+        raise ValueError(f"{flag} {shown_path(path)}: names a folder (it ends in /), not a file")
+    if any(_special(x) for x in (os.path.abspath(path), os.path.realpath(path))):
+        raise ValueError(f"{flag} {shown_path(path)}: is under /proc or /dev: a process's or a device's stream, not a "
+                         "regular file")
     if not p.is_file():
         raise ValueError(f"{flag} {shown_path(path)}: " + ("is not a regular file (a device or a pipe has no end to read to)"
                                                if p.exists() else "no such file"))

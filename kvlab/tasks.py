@@ -26,6 +26,7 @@ token lists of pieces gives the same ids as tokenizing the joined string
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 from .paths import CORPUS_DIR
@@ -71,6 +72,12 @@ def _encode(tok, text: str) -> list[int]:
 def bos(tok) -> list[int]:
     """The tokens the tokenizer puts before a text (Gemma's ``<bos>``; none for SmolLM2 or kvlab-tiny)."""
     return tok.encode("", add_special_tokens=True) if hasattr(tok, "encode") else []
+
+
+def key_lookalikes(text: str, digits: int = 5) -> int:
+    """How many ``digits``-digit numbers a haystack already holds: a model asked for the key may copy one of them
+    (a haystack cut from order records or invoices is full of them), which the eval would count as a miss."""
+    return len(re.findall(rf"(?<!\d)\d{{{digits}}}(?!\d)", text))
 
 
 def random_key(rng: random.Random, digits: int = 5) -> str:

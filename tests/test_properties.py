@@ -374,3 +374,16 @@ def test_an_eval_grid_with_a_missing_cell_shows_none_and_strict_json_refuses_ove
     f.write_text('{"a": 1e999}')
     with pytest.raises(ValueError, match="past a float's range"):
         load_json(f, "x")
+
+
+def test_a_text_file_flag_refuses_process_streams_and_a_trailing_slash(tmp_path):
+    from kvlab.paths import read_text
+    from kvlab.tasks import key_lookalikes
+
+    f = tmp_path / "hay.txt"
+    f.write_text("Order 12345 shipped; order 123456 did not; 4321 waits. Then 99999.")
+    assert read_text(f, "--haystack-file").startswith("Order")
+    for bad, why in ((str(f) + "/", "ends in /"), ("/proc/self/environ", "under /proc or /dev")):
+        with pytest.raises(ValueError, match=why):
+            read_text(bad, "--haystack-file")
+    assert key_lookalikes(f.read_text()) == 2  # 12345 and 99999: five digits exactly, not part of a longer number
