@@ -29,7 +29,6 @@ from . import budget as B
 from .formats import format_names, get_format
 from .paths import WriteError, out_problem, read_text, shown_path
 
-
 MAX_WORDS = 1_000  # a command line's words: every kvlab command needs a few dozen at most
 
 
