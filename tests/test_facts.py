@@ -3,10 +3,10 @@
 import pytest
 
 from kvlab import facts, prose
-from kvlab.chapters import choosing_a_format, prefix_cache, where_int4_breaks
+from kvlab.chapters import choosing_a_format, prefix_cache, triton_attention, where_int4_breaks
 
 SECTIONS = {"04_where_int4_breaks": where_int4_breaks.SECTIONS, "06_choosing_a_format": choosing_a_format.SECTIONS,
-            "05_prefix_cache": prefix_cache.SECTIONS}  # chapters whose sections have their own function
+            "05_prefix_cache": prefix_cache.SECTIONS, "03_triton_attention": triton_attention.SECTIONS}  # chapters whose sections have their own function
 
 
 @pytest.fixture(scope="module", params=sorted(facts.CHAPTERS))
