@@ -440,7 +440,7 @@ def _layer_bits_per_token(layer: LayerSpec, fmt: KVFormat, tp: int, full_bits: i
     return heads * fmt.bytes_per_token_head(layer.head_dim) * 8
 
 
-def _full_precision_tokens(fmt: KVFormat, held: int) -> int:
+def full_precision_tokens(fmt: KVFormat, held: int) -> int:
     """Tokens a cache keeps unquantized: sinks, the residual window, and (for formats whose
     groups run along tokens) the tokens still waiting to fill a group."""
     n = min(held, fmt.sinks + fmt.residual)
@@ -515,7 +515,7 @@ def budget(model, batch: int, context: int, kv_format="bf16", *, tp: int = 1, bl
         f = fmt.for_layer(layer.window)  # a per-layer-type mix stores each layer type its own way
         held = context if layer.window is None else min(context, layer.window)
         slots = math.ceil(held / block_size) * block_size  # paged: whole blocks
-        n_full = _full_precision_tokens(f, slots)
+        n_full = full_precision_tokens(f, slots)
         bits = (slots - n_full) * _layer_bits_per_token(layer, f, ranks, None)
         bits += n_full * _layer_bits_per_token(layer, f, ranks, full_precision_bits)
         static = _static_scale_bits(layer, f, batch, ranks) if slots > n_full else 0

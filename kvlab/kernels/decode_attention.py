@@ -46,7 +46,7 @@ from kvlab.layout import Kind, ScaleMode
 from kvlab.storage import KVStore, kernel_args
 
 from .packing import int4_codes
-from .reference import decode_attention_reference  # noqa: F401  (re-exported beside the kernel)
+from .reference import decode_attention_reference, split_plan  # noqa: F401  (the reference re-exported beside the kernel)
 
 # kvlab.layout's kinds and scale modes as compile-time constants the jit functions can read
 INT8: tl.constexpr = tl.constexpr(int(Kind.INT8))
@@ -232,11 +232,7 @@ def decode_attention(q: torch.Tensor, k: KVStore, v: KVStore, seq_lens: torch.Te
     group = Hq // Hkv
     scaling = D**-0.5 if scaling is None else float(scaling)
     max_len = int(seq_lens.max())
-    if num_splits is None:  # enough programs to fill the device, splits of at least 4 tiles
-        want = max(1, 128 // max(1, B * Hkv))
-        num_splits = max(1, min(want, math.ceil(max_len / (4 * block_n))))
-    per_split = max(block_n, math.ceil(max(max_len, 1) / num_splits / block_n) * block_n)
-    num_splits = max(1, math.ceil(max(max_len, 1) / per_split))
+    num_splits, per_split = split_plan(max_len, B, Hkv, block_n, num_splits)  # flash-decoding: splits of whole tiles
     dev = q.device
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=dev)
     lse_part = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=dev)

@@ -240,3 +240,19 @@ def _weighted(p: torch.Tensor, t: _Tile) -> torch.Tensor:
     if t.zero is not None:
         shift = shift + torch.einsum("bhrn,bhng->bhrg", p, t.zero)[:, :, :, None, :, None]
     return t.unorder((out + shift).reshape(B, H, rep, -1))
+
+
+def split_plan(max_len: int, batch: int, kv_heads: int, block_n: int = 32, num_splits: int | None = None) -> tuple[int, int]:
+    """``(num_splits, tokens_per_split)``: how :func:`kvlab.kernels.decode_attention.decode_attention` cuts each
+    sequence over programs (flash-decoding). With ``num_splits`` None it launches enough programs to fill a device
+    (about 128 across batch x KV heads x splits), each split at least 4 tiles of ``block_n`` tokens; a split holds a
+    whole number of tiles. Pure arithmetic, so the chapter's diagram of it needs no triton."""
+    for name, v in (("max_len", max_len), ("batch", batch), ("kv_heads", kv_heads), ("block_n", block_n)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "max_len" else 1):
+            raise ValueError(f"{name} must be a whole number{' >= 0' if name == 'max_len' else ' >= 1'}, got {v!r}")
+    if num_splits is None:
+        want = max(1, 128 // max(1, batch * kv_heads))
+        num_splits = max(1, min(want, math.ceil(max_len / (4 * block_n))))
+    per_split = max(block_n, math.ceil(max(max_len, 1) / num_splits / block_n) * block_n)
+    return max(1, math.ceil(max(max_len, 1) / per_split)), per_split
+
