@@ -167,7 +167,7 @@ def test_golden_prompts_are_long_slices_of_heldout_text(shipped):
 
 
 @pytest.mark.slow
-def test_the_long_sweep_script_runs_and_resumes(tmp_path):
+def test_the_long_sweep_script_runs_and_resumes(tmp_path, capsys):
     """scripts/sweep_long.py --quick on kvlab-tiny: a header and one line per prompt; a second run adds nothing."""
     import json
     import subprocess
@@ -192,16 +192,29 @@ def test_the_long_sweep_script_runs_and_resumes(tmp_path):
     out.write_text(whole + '{"stage": "filler", "length": 10')  # killed mid-write: the cut-off record is dropped
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "cut off mid-write" in again.stdout and out.read_text() == whole
+    # the refusals run the script's main() in this process: each subprocess would spend seconds importing torch
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sweep_long_script", ROOT / "scripts" / "sweep_long.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def refused(path) -> str:
+        with pytest.raises(SystemExit) as e:
+            script.main(cmd[2:-1] + [str(path)])
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
     other = tmp_path / "other.jsonl"  # another sweep's file with a cut-off last line: refused, and left as it was
     cut = whole.splitlines()[0].replace('"kvlab-tiny"', '"another-model"') + '\n{"stage": "filler", "len'
     other.write_text(cut)
-    r = subprocess.run(cmd[:-1] + [str(other)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and "different sweep" in r.stderr and other.read_text() == cut, (r.stderr[-500:], other.read_text())
+    err = refused(other)
+    assert "different sweep" in err and other.read_text() == cut, (err[-500:], other.read_text())
     bad = tmp_path / "bad.jsonl"
     for damaged in ("hello\n", "[1, 2]\n", whole.splitlines()[0] + '\n{"stage": "filler"}\n'):
         bad.write_text(damaged)
-        r = subprocess.run(cmd[:-1] + [str(bad)], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 2 and "move the file away" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+        err = refused(bad)
+        assert "move the file away" in err and "Traceback" not in err, err[-500:]
         assert bad.read_text() == damaged
     add = cmd + ["--add-formats", "fp8_e5m2", "--stages", "perplexity", "filler"]  # one more format, same prompts
     r = subprocess.run(add, capture_output=True, text=True, timeout=600)
