@@ -76,6 +76,16 @@ def figure_value(page, nth: int, trace: int, axis: str):
     )
 
 
+def plot_index(page, title: str) -> int:
+    """The index, among the page's plotly figures, of the one whose title starts with ``title`` (figures added above
+    the explorer must not break the test)."""
+    i = page.evaluate(
+        "(t) => Array.from(document.querySelectorAll('.js-plotly-plot'))"
+        ".findIndex(p => p.layout && p.layout.title && String(p.layout.title.text || '').startsWith(t))", title)
+    assert i >= 0, f"no figure titled {title!r}"
+    return i
+
+
 def set_slider(page, label: str, value: str):
     """Type a value into an ipywidgets slider's editable readout, as a person can."""
     slider = page.locator(".widget-slider", has=page.locator("label", has_text=label)).first
@@ -121,33 +131,36 @@ def _drive_chapter1(page, url, token, out):
     page.get_by_text("Run All Cells", exact=True).click()
     # The explorer's sliders appear once its cell has run.
     page.wait_for_selector(".widget-slider .widget-readout", timeout=180_000)
-    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 3", timeout=120_000)
-    # Figures: [0] bits bar (static), [1] memory bar (weights, engine reserve, KV cache, free), [2] concurrency curves.
     page.wait_for_function(
-        "() => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p && p.data && p.data.length == 4; }",
-        timeout=60_000)
+        "() => Array.from(document.querySelectorAll('.js-plotly-plot')).some(p => p.layout && p.layout.title && "
+        "String(p.layout.title.text || '').startsWith('Most concurrent'))", timeout=120_000)
+    # The explorer's two figures: the memory bar (weights, engine reserve, KV cache, free) and the concurrency curves.
+    mem, curves = plot_index(page, "Memory per GPU"), plot_index(page, "Most concurrent")
+    page.wait_for_function(
+        "(m) => { const p = document.querySelectorAll('.js-plotly-plot')[m]; return p && p.data && p.data.length == 4; }",
+        arg=mem, timeout=60_000)
     # Let every cell finish (the cell after the explorer sets batch and puts it back).
     page.wait_for_function(
         "() => !Array.from(document.querySelectorAll('.jp-InputArea-prompt')).some(e => e.textContent.includes('*'))",
         timeout=300_000)
-    cache_before = figure_value(page, 1, 2, "x")
-    marker_before = figure_value(page, 2, 5, "x")  # trace 5: the "you are here" marker
+    cache_before = figure_value(page, mem, 2, "x")
+    marker_before = figure_value(page, curves, 5, "x")  # trace 5: the "you are here" marker
     set_slider(page, "batch", "64")
     page.wait_for_function(
-        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[2].x[0] != b; }",
-        arg=cache_before[0], timeout=30_000)
-    cache_after = figure_value(page, 1, 2, "x")
+        "([m, b]) => { const p = document.querySelectorAll('.js-plotly-plot')[m]; return p.data[2].x[0] != b; }",
+        arg=[mem, cache_before[0]], timeout=30_000)
+    cache_after = figure_value(page, mem, 2, "x")
     assert cache_after[0] == pytest.approx(4 * cache_before[0]), (cache_before, cache_after)
 
     set_slider(page, "context", "131072")
     page.wait_for_function(
-        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[1]; return p.data[2].x[0] != b; }",
-        arg=cache_after[0], timeout=30_000)
-    assert figure_value(page, 1, 2, "x")[0] == pytest.approx(4 * cache_after[0])
+        "([m, b]) => { const p = document.querySelectorAll('.js-plotly-plot')[m]; return p.data[2].x[0] != b; }",
+        arg=[mem, cache_after[0]], timeout=30_000)
+    assert figure_value(page, mem, 2, "x")[0] == pytest.approx(4 * cache_after[0])
     page.wait_for_function(  # the curve figure updates in its own message: wait for it too
-        "(b) => { const p = document.querySelectorAll('.js-plotly-plot')[2]; return p.data[5].x[0] != b; }",
-        arg=marker_before[0], timeout=30_000)
-    marker_after = figure_value(page, 2, 5, "x")
+        "([c, b]) => { const p = document.querySelectorAll('.js-plotly-plot')[c]; return p.data[5].x[0] != b; }",
+        arg=[curves, marker_before[0]], timeout=30_000)
+    marker_after = figure_value(page, curves, 5, "x")
     assert marker_after != marker_before and marker_after[0] == pytest.approx(131072, rel=0.01)
     page.screenshot(path=str(out / "chapter1_explorer.png"), full_page=False)
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
