@@ -144,6 +144,30 @@ def run_cuda(mode: str, out_dir: Path, budget_s: float):
     return doc | {"rows": rows, "not_measured": missed}
 
 
+def time_append(formats, device: str, timer, batch: int = 8, tokens: int = 4096) -> list[dict]:
+    """The quantize-on-append path (on CUDA the append kernel): ``tokens`` new tokens of ``batch`` sequences written
+    into each format's K store, timed by ``timer(fn) -> ms`` (``triton.testing.do_bench`` on a GPU). Reported: the
+    microseconds and the GB/s of codes and scales written."""
+    import torch
+
+    from kvlab.formats import get_format
+    from kvlab.storage import KVStore
+
+    x = torch.randn(batch, HKV, tokens, D, device=device, dtype=torch.bfloat16)
+    rows = []
+    for fmt in formats:
+        store = KVStore.allocate(get_format(fmt).key, batch, HKV, tokens, D, device)
+
+        def append(store=store):
+            store.tokens = 0  # write over the same buffers each time: the append itself is what is timed
+            store.append(x)
+        us = 1e3 * timer(append)
+        written = store.nbytes
+        rows.append({"format": fmt, "batch": batch, "tokens": tokens, "us": round(us, 2), "bytes_written": written,
+                     "write_gbs": round(written / us / 1e3, 1)})
+    return rows
+
+
 def run_cpu():
     import torch
 
