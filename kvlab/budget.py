@@ -218,7 +218,7 @@ def _load_shape(model) -> ModelShape:
             if path.stat().st_size > MAX_CONFIG_BYTES:
                 raise ValueError(f"model config {str(path)!r} is over {MAX_CONFIG_BYTES >> 20} MiB: not a config.json")
             try:
-                doc = json.loads(path.read_text())
+                doc = json.loads(path.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) is read past
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"model config {str(path)!r} could not be read as JSON: {e}") from None
             except RecursionError:

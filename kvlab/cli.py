@@ -196,7 +196,7 @@ def _gib_flag(text):
     s, v = _read_number(text, "a number of GiB", float)
     if not (math.isfinite(v) and 0 <= v <= 1e6) or _rounds_to_zero(s, v):
         raise argparse.ArgumentTypeError(f"must be a finite number of GiB from 0 to 1e6, got {s}{_rounds_to_zero(s, v)}")
-    return v
+    return v + 0.0  # -0 is 0 (it printed as "-0")
 
 
 def _warn_lookalikes(text: str) -> None:

@@ -165,7 +165,15 @@ def _route(target: str) -> str:
     """A request target's path: the absolute form (``http://host:port/health``, which RFC 9112 3.2.2 says a server
     must accept) and the origin form (``/health``) name the same route; a query string does not change it."""
     if target.lower().startswith(("http://", "https://")):
-        target = "/" + target.split("://", 1)[1].partition("/")[2]
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(target)
+        except ValueError:  # "http://[::1/health": not a URL
+            return ""
+        if not parts.netloc:  # "http:///health" names no host: no route
+            return ""
+        return parts.path or "/"
     return target.split("?", 1)[0]
 
 

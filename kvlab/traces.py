@@ -40,7 +40,7 @@ def load_trace(path: str | Path, block_size: int = MOONCAKE_BLOCK, limit: int | 
         raise ValueError(f"trace {path} is not a regular file (a device or a pipe has no end to read to)")
     reqs = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, encoding="utf-8-sig")  # a byte-order mark (Windows editors) is read past
     except OSError as e:
         raise ValueError(f"cannot read trace {path}: {e.strerror or e}") from None
     with f:

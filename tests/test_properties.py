@@ -387,3 +387,18 @@ def test_a_text_file_flag_refuses_process_streams_and_a_trailing_slash(tmp_path)
         with pytest.raises(ValueError, match=why):
             read_text(bad, "--haystack-file")
     assert key_lookalikes(f.read_text()) == 2  # 12345 and 99999: five digits exactly, not part of a longer number
+
+
+def test_a_config_or_trace_saved_with_a_byte_order_mark_is_read(tmp_path):
+    import json
+
+    from kvlab import budget as B
+    from kvlab.traces import load_trace
+
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "hidden_size": 256, "head_dim": 64, "vocab_size": 1000, "intermediate_size": 512}
+    (tmp_path / "config.json").write_text("\ufeff" + json.dumps(cfg), encoding="utf-8")
+    assert B.budget(str(tmp_path), 1, 16).cache_bytes == 2 * 2 * 64 * 2 * 16  # layers x (K, V) x head_dim x bytes x tokens
+    (tmp_path / "t.jsonl").write_text('\ufeff{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": []}\n',
+                                      encoding="utf-8")
+    assert len(load_trace(tmp_path / "t.jsonl")) == 1

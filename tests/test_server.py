@@ -65,6 +65,7 @@ def test_the_absolute_form_of_a_request_target_names_the_same_route(srv):
         out = _raw(srv, f"GET {target} HTTP/1.1\r\nHost: {srv.host}\r\nConnection: close\r\n\r\n".encode())
         assert out.startswith(b"HTTP/1.") and b" 200 " in out.split(b"\r\n")[0], out[:80]
     assert S._route("http://h:1") == "/" and S._route("/v1/models?x") == "/v1/models"
+    assert S._route("http:///health") == "" and S._route("http://[::1/health") == ""  # no host, not a URL: no route
 
 
 def test_the_model_id_is_a_name_not_a_path(shipped):
