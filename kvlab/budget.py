@@ -246,7 +246,12 @@ def _load_shape(model) -> ModelShape:
         # a config file the reader gave: name the file, then the field (the folder's name alone can be ambiguous)
         why = str(e).removeprefix(f"config for {name!r}").removeprefix(":").strip()
         raise ValueError(f"model config {source!r}: {why}") from None
-    n_params = n_params or estimate_parameters(cfg)
+    try:
+        n_params = n_params or estimate_parameters(cfg)
+    except ValueError as e:  # a field only the parameter count reads (tie_word_embeddings): named with the file too
+        if not source.endswith(".json"):
+            raise
+        raise ValueError(f"model config {source!r}: {str(e).removeprefix('config: ')}") from None
     return ModelShape(shape.name, shape.layers, n_params, shape.max_position_embeddings, shape.attention, source,
                       q_heads=shape.q_heads, embedding_parameters=embedding_parameters(cfg))
 
@@ -322,7 +327,9 @@ def _hf_config(d: dict):
 # Far above any real model (the largest published have a few hundred layers and heads, head_dim <= 1k):
 # a config past these is a typo or garbage, and a per-layer table of 1e308 layers would never finish.
 _CONFIG_LIMITS = {"num_hidden_layers": 100_000, "n_layer": 100_000, "num_layers": 100_000,
-                  "num_attention_heads": 1 << 20, "n_head": 1 << 20, "num_key_value_heads": 1 << 20}
+                  "num_attention_heads": 1 << 20, "n_head": 1 << 20, "num_key_value_heads": 1 << 20,
+                  # a head vector (layout.MAX_HEAD_DIM: 2**20 values); MLA caches kv_lora_rank + qk_rope_head_dim
+                  "head_dim": 1 << 20, "kv_lora_rank": 1 << 19, "qk_rope_head_dim": 1 << 19}
 _CONFIG_LIMIT = 1 << 40  # any other size (hidden_size, head_dim, window, ranks)
 
 

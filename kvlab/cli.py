@@ -205,7 +205,7 @@ def _warn_lookalikes(text: str) -> None:
 
     if n := key_lookalikes(text):
         print(f"kvlab: warning: --haystack-file holds {n:,} five-digit numbers; a model may answer one of them instead "
-              "of the key, which counts as a miss on both servers alike (remove them for a cleaner test)", file=sys.stderr)
+              "of the key, which counts as a miss for every format alike (remove them for a cleaner test)", file=sys.stderr)
 
 
 def model_flag(text):

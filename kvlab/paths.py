@@ -121,6 +121,8 @@ def read_text(path: str | Path, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> s
     if any(_special(x) for x in (os.path.abspath(path), os.path.realpath(path))):
         raise ValueError(f"{flag} {shown_path(path)}: is under /proc or /dev: a process's or a device's stream, not a "
                          "regular file")
+    if p.is_dir():
+        raise ValueError(f"{flag} {shown_path(path)}: is a folder, not a file")
     if not p.is_file():
         raise ValueError(f"{flag} {shown_path(path)}: " + ("is not a regular file (a device or a pipe has no end to read to)"
                                                if p.exists() else "no such file"))
