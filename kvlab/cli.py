@@ -230,17 +230,29 @@ def _human(n: float) -> str:
     return str(n)
 
 
+# the library's argument names in an error, as the budget command's flags (the reader typed the flag)
+_FLAG_OF = (("kv_format ", "--kv-dtype "), ("tp=", "--tp "), ("unknown GPU ", "--gpu: unknown GPU "))
+
+
+def _as_flag(message: str) -> str:
+    for arg, flag in _FLAG_OF:
+        if message.startswith(arg):
+            return flag + message[len(arg):]
+    return message
+
+
 def cmd_budget(args) -> int:
     if args.gpu is None:  # these only size the GPU's share: without --gpu they would be silently ignored
-        for flag, value, default in (("--memory-utilization", args.memory_utilization, 0.9),
-                                     ("--weights-dtype", args.weights_dtype, "bf16"),
-                                     ("--reserve-gib", args.reserve_gib, None), ("--weights-gib", args.weights_gib, None)):
-            if value != default:
+        for flag, value in (("--memory-utilization", args.memory_utilization), ("--weights-dtype", args.weights_dtype),
+                            ("--reserve-gib", args.reserve_gib), ("--weights-gib", args.weights_gib)):
+            if value is not None:  # given at all, even at its default value
                 print(f"kvlab: error: {flag} needs --gpu (it sizes what is left for the cache on one)", file=sys.stderr)
                 return 2
     elif not args.gpu.strip():
         print("kvlab: error: --gpu is empty", file=sys.stderr)
         return 2
+    args.memory_utilization = 0.9 if args.memory_utilization is None else args.memory_utilization
+    args.weights_dtype = "bf16" if args.weights_dtype is None else args.weights_dtype
     try:
         if args.gpu:
             B.get_gpu(args.gpu)  # before the model's config: a folder config may take seconds to read
@@ -284,7 +296,7 @@ def cmd_budget(args) -> int:
                 out["reserve_bytes_per_gpu"] = f.reserve_bytes_per_gpu
                 out["weights_and_reserve_over_by_bytes"] = -f.free_for_cache_per_gpu
     except (ValueError, TypeError) as e:
-        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
+        print(f"kvlab: error: {_as_flag(one_line(e))}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(out, indent=1, allow_nan=False))
@@ -812,7 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", required=True, type=int_flag(1, 10**9), help="tokens per sequence")
     b.add_argument("--kv-dtype", default="bf16", type=_kv_format, help="KV format (see `kvlab formats`)")
     b.add_argument("--gpu", help="GPU preset ({})".format(", ".join(B.gpus())))
-    b.add_argument("--weights-dtype", default="bf16", choices=sorted(B.WEIGHT_BITS))
+    b.add_argument("--weights-dtype", default=None, choices=sorted(B.WEIGHT_BITS), help="default bf16 (needs --gpu)")
     b.add_argument("--tp", default=1, type=int_flag(1, 1024), help="tensor-parallel ranks")
     b.add_argument("--block-size", default=B.VLLM_BLOCK_SIZE, type=int_flag(1, 2**20),
                    help="paged-cache block size in tokens (default 16, vLLM's): sequences take whole blocks")
@@ -823,7 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GiB the engine keeps for itself on each GPU (activation peak, CUDA graphs, NCCL): read it from "
                         "your engine's log; default by --tp as vLLM logged it for Llama-3-8B on H100s "
                         "(3.05 GiB at TP 1, 4.84 at TP 2 and up)")
-    b.add_argument("--memory-utilization", default=0.9, type=_fraction, help="fraction of GPU memory usable")
+    b.add_argument("--memory-utilization", default=None, type=_fraction,
+                   help="fraction of GPU memory usable (default 0.9; needs --gpu)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_budget)
 

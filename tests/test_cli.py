@@ -49,7 +49,7 @@ def run(argv):
     (["--batch", "9" * 20], "argument --batch: must be <="),
     (["--batch", "two"], "argument --batch: must be an integer"),
     (["--gpu", "TPU"], "unknown GPU"),
-    (["--tp", "3"], "tp=3"),
+    (["--tp", "3"], "--tp 3 must divide"),
     (["--memory-utilization", "1.5"], "must be in (0, 1]"),
 ])
 def test_errors_are_one_clear_line(argv, needle, capsys):
@@ -792,3 +792,16 @@ def test_a_command_line_of_thousands_of_words_is_refused_before_argparse_reads_i
     with pytest.raises(SystemExit) as e:
         main(["budget", "--model", "llama-3.1-8b", "--context", "4096"] + ["--batch", "1"] * MAX_WORDS)
     assert e.value.code == 2 and "words on the command line" in capsys.readouterr().err
+
+
+def test_budget_errors_name_the_flag_and_gpu_only_flags_are_refused_even_at_their_default(capsys):
+    from kvlab.cli import main
+
+    for argv, first in ((["--kv-dtype", "int4@sliding"], "kvlab: error: --kv-dtype 'int4@sliding' quantizes sliding"),
+                        (["--tp", "3"], "kvlab: error: --tp 3 must divide"),
+                        (["--gpu", "xxx"], "kvlab: error: --gpu: unknown GPU 'xxx'"),
+                        (["--memory-utilization", "0.9"], "kvlab: error: --memory-utilization needs --gpu"),
+                        (["--weights-dtype", "bf16"], "kvlab: error: --weights-dtype needs --gpu")):
+        assert main(["budget", "--model", "llama-3.1-8b", "--batch", "1", "--context", "16", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(first) and err.count("\n") == 1, err
