@@ -199,6 +199,18 @@ def _gib_flag(text):
     return v + 0.0  # -0 is 0 (it printed as "-0")
 
 
+def _haystack_text(args) -> str | None:
+    """The ``--haystack-file`` text (None without one), read and checked once for both kinds of niah run; a line on
+    stderr when it already holds numbers shaped like the key."""
+    if args.haystack_file is None:
+        return None
+    if args.task != "passkey":
+        raise ValueError("--haystack-file is for the passkey task")
+    text = read_text(args.haystack_file, "--haystack-file")
+    _warn_lookalikes(text)
+    return text
+
+
 def _warn_lookalikes(text: str) -> None:
     """A line on stderr when a haystack file already holds numbers shaped like the pass key."""
     from .tasks import key_lookalikes
@@ -423,12 +435,7 @@ def cmd_niah(args) -> int:
         print("kvlab: error: --kv-format is required (or --endpoint URL to test a running server)", file=sys.stderr)
         return 2
     try:
-        text = None
-        if args.haystack_file is not None:
-            if args.task != "passkey":
-                raise ValueError("--haystack-file is for the passkey task")
-            text = read_text(args.haystack_file, "--haystack-file")
-            _warn_lookalikes(text)
+        text = _haystack_text(args)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -502,16 +509,11 @@ def cmd_niah_endpoint(args) -> int:
         print("kvlab: error: --chunk is for kvlab's own model; with --endpoint the prompts are the server's to prefill",
               file=sys.stderr)
         return 2
-    text = None
-    if args.haystack_file is not None:  # text like your traffic: the passkey's haystack is cut from it
-        try:
-            if args.task != "passkey":
-                raise ValueError("--haystack-file is for the passkey task")
-            text = read_text(args.haystack_file, "--haystack-file")
-            _warn_lookalikes(text)
-        except (ValueError, FileNotFoundError, TypeError) as e:
-            print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
-            return 2
+    try:
+        text = _haystack_text(args)  # text like your traffic: the passkey's haystack is cut from it
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"kvlab: error: {one_line(e)}", file=sys.stderr)
+        return 2
     if args.tokenizer is not None and not args.tokenizer.strip():
         print("kvlab: error: --tokenizer is empty", file=sys.stderr)
         return 2

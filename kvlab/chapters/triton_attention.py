@@ -7,6 +7,7 @@ returns the values and claims of the sections ``live-gpu-measured`` (from a reco
 
 from __future__ import annotations
 
+from .. import budget as B
 from ..facts import Facts
 from ..roofline import predicted_speedup
 from ..tables import markdown
@@ -59,6 +60,8 @@ def answer(F, run: dict | None = None) -> Facts:
                   values["top_intensity"] * 10 < min(F["ridge"], ridge_h100), values["top_intensity"]),
               "a whole step at batch 1 gains far less than attention alone": (F["int4_whole"] < pred["int4"] / 2,
                                                                              F["int4_whole"]),
+              f"an 80 GB GPU holds {BATCH} such sequences in BF16 beside the weights": (
+                  B.max_concurrency(SHAPE_MODEL, F["context"], "bf16", "H100-80GB") >= BATCH, BATCH),
               "a bigger batch gains more, still short of the attention ratio": (
                   F["int4_whole"] < values["int4_batch"] < pred["int4"], values["int4_batch"]),
               "on this CPU every quantized format decoded slower than kvlab's own BF16 path, at every length":
